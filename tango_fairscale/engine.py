@@ -1,0 +1,203 @@
+"""
+:class:`FairScaleTrainingEngine`: Tango's ``torch::train`` with the model sharded by FairScale's
+Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
+"""
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.optim.grad_scaler import ShardedGradScaler
+from tango.common import Lazy
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import (
+    LRScheduler,
+    Model,
+    Optimizer,
+    TorchTrainingEngine,
+    TrainConfig,
+)
+
+from . import checkpointing
+from .compat import fsdp_compute_device_is_cpu
+from .config import FSDPConfig
+from .registry import register_training_engine
+
+logger = logging.getLogger(__name__)
+
+
+@register_training_engine("fairscale")
+class FairScaleTrainingEngine(TorchTrainingEngine):
+    """
+    A :class:`~tango.integrations.torch.TrainingEngine` that shards parameters, gradients and
+    optimizer state across the workers of :class:`~tango.integrations.torch.TorchTrainStep`
+    with FairScale's :class:`~fairscale.nn.FullyShardedDataParallel`. Runs on GPUs (NCCL) and
+    on CPU workers (gloo).
+
+    .. tip::
+        Registered as a :class:`~tango.integrations.torch.TrainingEngine` under the name
+        "fairscale".
+
+    .. tip::
+        Wrap the model's layers as separate FSDP units with
+        :func:`~tango_fairscale.with_wrapped_modules`: then only one layer's full parameters
+        are gathered at a time, which is where the memory savings come from.
+
+    .. important::
+        Only the parameters listed below belong in a configuration file; Tango's
+        ``torch::train`` step passes the others.
+
+    .. warning::
+        Needs distributed training: ``device_count`` of 2 or more in the ``torch::train`` step.
+
+    :param amp:
+        Use automatic mixed precision. With float16 the gradients are scaled by FairScale's
+        :class:`~fairscale.optim.grad_scaler.ShardedGradScaler`; bfloat16 needs no scaling.
+    :param max_grad_norm:
+        If set, clip the gradients to this total norm, computed across all shards.
+    :param amp_use_bfloat16:
+        Use bfloat16 rather than float16 under AMP. Default: bfloat16 on CPU, float16 on GPU.
+    :param fsdp_config:
+        The FSDP options of the root unit (see :class:`~tango_fairscale.FSDPConfig`).
+        Default: FairScale's defaults.
+    """
+
+    def __init__(
+        self,
+        train_config: TrainConfig,
+        model: Union[Model, Lazy[Model]],
+        optimizer: Lazy[Optimizer],
+        *,
+        lr_scheduler: Optional[Lazy[LRScheduler]] = None,
+        amp: bool = False,
+        max_grad_norm: Optional[float] = None,
+        amp_use_bfloat16: Optional[bool] = None,
+        fsdp_config: Optional[FSDPConfig] = None,
+    ) -> None:
+        if not train_config.is_distributed:
+            raise ConfigurationError(
+                f"{type(self).__name__} shards the model across workers, so it needs distributed "
+                "training: set 'device_count' to 2 or more in the torch::train step (it is 1), "
+                "or use the \"torch\" training engine for a single device."
+            )
+        self.fsdp_config = fsdp_config or FSDPConfig()
+        if self.fsdp_config.mixed_precision and not amp:
+            warnings.warn(
+                "fsdp_config.mixed_precision is true but the engine's 'amp' is false: parameters "
+                "will be gathered in float16 without autocast or loss scaling, which can stop the "
+                "model from converging. Set amp: true as well.",
+                UserWarning,
+                stacklevel=2,
+            )
+        # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
+        # and wrong for sharded gradients): construct it without AMP, then set AMP up here.
+        super().__init__(
+            train_config,
+            model,
+            optimizer,
+            lr_scheduler=lr_scheduler,
+            amp=False,
+            max_grad_norm=max_grad_norm,
+            amp_use_bfloat16=amp_use_bfloat16,
+        )
+        if amp_use_bfloat16 is None:
+            amp_use_bfloat16 = train_config.device_type == "cpu"
+        self.amp = amp
+        self.amp_dtype = torch.bfloat16 if amp_use_bfloat16 else torch.float16
+        # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
+        self.grad_scaler = ShardedGradScaler() if amp and self.amp_dtype == torch.float16 else None
+
+    @property
+    def computes_on_cpu(self) -> bool:
+        """Whether the FSDP units of this engine compute on CPU workers."""
+        return self.model.compute_device.type == "cpu"  # type: ignore[union-attr]
+
+    def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
+        if isinstance(model, Lazy):
+            model = model.construct()
+        if not any(True for _ in model.parameters()):
+            raise ConfigurationError(
+                f"The model ({type(model).__name__}) has no parameters: there is nothing to shard or train."
+            )
+        if not fsdp_compute_device_is_cpu() and not self.fsdp_config.move_params_to_cpu:
+            model.to(self.train_config.worker_local_default_device)
+        return self.fsdp_config.wrap(model)  # type: ignore[return-value]
+
+    def clip_grad_norm(self) -> None:
+        if self.max_grad_norm is None:
+            return
+        if not self.computes_on_cpu:
+            self.model.clip_grad_norm_(self.max_grad_norm)  # type: ignore[operator]
+            return
+        # FairScale's clip_grad_norm_ moves the norm to CUDA; on CPU workers compute the same
+        # thing here: every worker holds a disjoint shard (padding is zero), so the squared
+        # norms add up across workers.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float32)
+        for grad in grads:
+            local += grad.detach().float().pow(2).sum()
+        dist.all_reduce(local)
+        total_norm = local.sqrt()
+        clip_coef = (self.max_grad_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.detach().mul_(clip_coef.to(grad.dtype))
+
+    def get_model_state(self) -> Dict[str, Any]:
+        fsdp: FSDP = self.model  # type: ignore[assignment]
+        return {"weights": fsdp.local_state_dict(), "metadata": fsdp.local_metadata_dict()}
+
+    def load_model_state(self, state_dict: Dict[str, Any]) -> None:
+        fsdp: FSDP = self.model  # type: ignore[assignment]
+        fsdp.load_local_state_dict(state_dict["weights"])
+
+    def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
+        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        worker = self.train_config.worker_id
+        states: Dict[str, Any] = {
+            "model": self.get_model_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "trainer": client_state,
+        }
+        if self.lr_scheduler is not None:
+            states["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.grad_scaler is not None:
+            states["grad_scaler"] = self.grad_scaler.state_dict()
+        for name, state in states.items():
+            checkpointing.atomic_save(state, checkpointing.worker_file(checkpoint_dir, worker, name))
+        # Only once every worker has its files on disk does the checkpoint count.
+        dist.barrier()
+        if worker == 0:
+            checkpointing.write_marker(
+                checkpoint_dir,
+                world_size=self.train_config.world_size,
+                extra={"training_steps": client_state.get("training_steps")},
+            )
+        dist.barrier()
+
+    def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
+        checkpoint_dir = Path(checkpoint_dir)
+        checkpointing.require_complete(checkpoint_dir)
+        worker = self.train_config.worker_id
+
+        def load(name: str) -> Any:
+            return checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, worker, name))
+
+        self.load_model_state(load("model"))
+        self.optimizer.load_state_dict(load("optimizer"))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(load("lr_scheduler"))
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(load("grad_scaler"))
+        return load("trainer")
+
+    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
+        shards = checkpointing.load_model_shards(Path(checkpoint_dir).resolve())
+        full_state = checkpointing.consolidate_model_state(shards)
+        del shards
+        checkpointing.atomic_save(full_state, Path(weights_path))

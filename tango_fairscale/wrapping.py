@@ -1,0 +1,273 @@
+"""
+Wrapping a model's submodules in FSDP units and/or activation checkpointing:
+:func:`with_wrapped_modules`, registered as the Model constructor
+``"fairscale::with_wrapped_modules"``.
+"""
+
+import difflib
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
+
+import torch.distributed as dist
+import torch.nn as nn
+from fairscale.nn.checkpoint import checkpoint_wrapper
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
+
+from .config import FSDPConfig
+from .registry import register_model_constructor
+
+logger = logging.getLogger(__name__)
+
+# FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
+# call, so parameters always get gradients, but it still runs torch's input check, which
+# warns "Gradients will be None" whenever the block's own inputs do not require grad (e.g.
+# the first block after a frozen embedding). The warning is false there; silence it for
+# that one module only.
+warnings.filterwarnings(
+    "ignore",
+    message="None of the inputs have requires_grad=True",
+    category=UserWarning,
+    module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
+)
+
+
+@dataclass
+class WrapPlan:
+    """Which submodules (by qualified name) are wrapped how. Built by :func:`plan_wrapping`."""
+
+    fsdp: List[str] = field(default_factory=list)
+    """Submodules that become their own FSDP unit, deepest first (the order they are wrapped in)."""
+
+    checkpoint: List[str] = field(default_factory=list)
+    """Submodules whose forward is recomputed in backward (activation checkpointing)."""
+
+    matched_by: Dict[str, str] = field(default_factory=dict)
+    """For each selected submodule, the rule that selected it (for error messages and the planner)."""
+
+
+def _compile_patterns(patterns: Iterable[str]) -> List[Tuple[str, Pattern[str]]]:
+    compiled = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ConfigurationError(
+                f"with_wrapped_modules.modules_to_wrap: every entry must be a regex string, "
+                f"got {type(pattern).__name__} {pattern!r}."
+            )
+        try:
+            compiled.append((pattern, re.compile(pattern)))
+        except re.error as error:
+            raise ConfigurationError(
+                f"with_wrapped_modules.modules_to_wrap: {pattern!r} is not a valid regular "
+                f"expression ({error})."
+            ) from None
+    return compiled
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1
+
+
+def _nearest_names(target: str, names: Sequence[str], limit: int = 5) -> List[str]:
+    close = difflib.get_close_matches(target, names, n=limit, cutoff=0.4)
+    return close or list(names[:limit])
+
+
+def plan_wrapping(
+    model: nn.Module,
+    modules_to_wrap: Optional[Iterable[str]] = None,
+    *,
+    wrap_module_classes: Optional[Iterable[str]] = None,
+    min_num_params: Optional[int] = None,
+) -> List[str]:
+    """
+    Select the submodules to wrap, without changing ``model``, and return their qualified names,
+    deepest first.
+
+    A submodule is selected when its name fully matches one of ``modules_to_wrap`` (regexes),
+    or its class name is in ``wrap_module_classes``, or (when ``min_num_params`` is set) it is a
+    smallest submodule holding at least that many parameters that no other rule selected.
+    Every pattern and class name must select something, and none may select the root module
+    (the engine always wraps the root itself).
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    modules = dict(model.named_modules())
+    selected: Dict[str, str] = {}
+
+    patterns = _compile_patterns(modules_to_wrap or ())
+    for pattern, regex in patterns:
+        if regex.fullmatch(""):
+            raise ConfigurationError(
+                f"with_wrapped_modules.modules_to_wrap: {pattern!r} matches the root module "
+                "(its name is the empty string). The training engine wraps the root itself; "
+                "match submodules only, e.g. r\"layers\\.[0-9]+\"."
+            )
+        hits = [name for name in names if regex.fullmatch(name)]
+        if not hits:
+            near = _nearest_names(pattern, names)
+            raise ConfigurationError(
+                f"with_wrapped_modules.modules_to_wrap: {pattern!r} matches no submodule of "
+                f"{type(model).__name__}. Patterns must match a whole name from named_modules(). "
+                f"Nearest names: {near}."
+            )
+        for name in hits:
+            selected.setdefault(name, f"pattern {pattern!r}")
+
+    classes = list(wrap_module_classes or ())
+    if classes:
+        present = {type(modules[name]).__name__ for name in names}
+        for class_name in classes:
+            if class_name in present:
+                continue
+            if class_name == type(model).__name__:
+                raise ConfigurationError(
+                    f"with_wrapped_modules.wrap_module_classes: {class_name!r} is only the root "
+                    "module's own class. The training engine wraps the root itself; list the "
+                    "classes of submodules (e.g. the transformer block class)."
+                )
+            raise ConfigurationError(
+                f"with_wrapped_modules.wrap_module_classes: no submodule of "
+                f"{type(model).__name__} has class {class_name!r}. "
+                f"Classes present: {sorted(present)}."
+            )
+        for name in names:
+            if type(modules[name]).__name__ in classes:
+                selected.setdefault(name, f"class {type(modules[name]).__name__}")
+
+    if min_num_params is not None:
+        if isinstance(min_num_params, bool) or not isinstance(min_num_params, int) or min_num_params < 1:
+            raise ConfigurationError(
+                f"with_wrapped_modules.min_num_params: must be a positive integer, got {min_num_params!r}."
+            )
+        for name in _smallest_modules_with(model, min_num_params, already=set(selected)):
+            selected.setdefault(name, f"min_num_params {min_num_params}")
+
+    return sorted(selected, key=lambda name: (-_depth(name), names.index(name)))
+
+
+def _own_numel(module: nn.Module, claimed: Set[int]) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) not in claimed)
+
+
+def _smallest_modules_with(model: nn.Module, min_num_params: int, already: Set[str]) -> List[str]:
+    """
+    Bottom-up, like PyTorch's size-based auto-wrap policy: a submodule is chosen when the
+    parameters not yet claimed by a chosen descendant reach ``min_num_params``.
+    """
+    modules = dict(model.named_modules())
+    claimed: Set[int] = set()
+    for name in already:
+        claimed.update(id(p) for p in modules[name].parameters())
+    chosen: List[str] = []
+    for name in sorted((n for n in modules if n), key=lambda n: -_depth(n)):
+        if name in already:
+            continue
+        if _own_numel(modules[name], claimed) >= min_num_params:
+            chosen.append(name)
+            claimed.update(id(p) for p in modules[name].parameters())
+    return chosen
+
+
+def _outermost(names: Sequence[str]) -> List[str]:
+    """Drop names nested inside another name of the list."""
+    return [n for n in names if not any(n.startswith(other + ".") for other in names)]
+
+
+def _replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent.add_module(child_name, new)
+
+
+@register_model_constructor("fairscale::with_wrapped_modules")
+def with_wrapped_modules(
+    model: Model,
+    modules_to_wrap: Optional[Set[str]] = None,
+    fsdp_config: Optional[FSDPConfig] = None,
+    activation_checkpointing: bool = False,
+    *,
+    wrap_module_classes: Optional[List[str]] = None,
+    min_num_params: Optional[int] = None,
+    offload_activations: bool = False,
+) -> Model:
+    """
+    Wrap submodules of ``model`` in FSDP units and/or activation checkpointing, in place.
+
+    .. tip::
+        Registered as a :class:`~tango.integrations.torch.Model` constructor under the name
+        "fairscale::with_wrapped_modules".
+
+    Meant for the :class:`~tango_fairscale.FairScaleTrainingEngine`: each wrapped submodule
+    becomes its own FSDP unit, so only one unit's full parameters are gathered at a time.
+
+    Overlapping selections are handled deliberately: when a module and one of its descendants
+    are both selected, both become FSDP units (the descendant nested inside the parent's unit),
+    but only the outermost is checkpointed, since checkpointing inside a checkpointed module
+    only recomputes the same forward twice.
+
+    :param model: The model to wrap.
+    :param modules_to_wrap:
+        Regular expressions, each fully matched against the names from ``model.named_modules()``
+        (e.g. ``"transformer\\\\.h\\\\.[0-9]+"``). Each must match at least one submodule.
+    :param fsdp_config:
+        The FSDP options of the wrapped units. If not given, submodules are not wrapped in FSDP
+        (checkpointing only). FSDP wrapping happens only inside a process group (i.e. in the
+        training workers); the model built in the main process for the final weights gets
+        checkpointing only, and keeps the plain model's parameter names.
+    :param activation_checkpointing:
+        Recompute the wrapped submodules' activations in the backward pass instead of storing
+        them (FairScale's :func:`~fairscale.nn.checkpoint.checkpoint_wrapper`).
+    :param wrap_module_classes:
+        Also select every submodule whose class name is listed (e.g. ``["GPT2Block"]``),
+        the transformer-layer policy.
+    :param min_num_params:
+        Also select, bottom-up, each smallest submodule holding at least this many parameters
+        that are not in an already selected submodule.
+    :param offload_activations:
+        With ``activation_checkpointing``, also move the checkpointed blocks' inputs to CPU
+        memory until backward. Saves GPU memory, costs transfers; no effect on CPU workers.
+    """
+    if not (modules_to_wrap or wrap_module_classes or min_num_params):
+        raise ConfigurationError(
+            "with_wrapped_modules: nothing to wrap. Give modules_to_wrap (regexes), "
+            "wrap_module_classes (class names) or min_num_params."
+        )
+    if offload_activations and not activation_checkpointing:
+        raise ConfigurationError(
+            "with_wrapped_modules.offload_activations: true needs activation_checkpointing: true."
+        )
+    if not list(model.parameters()):
+        raise ConfigurationError(
+            f"with_wrapped_modules: {type(model).__name__} has no parameters, so there is "
+            "nothing to shard or train."
+        )
+
+    selected = plan_wrapping(
+        model,
+        modules_to_wrap,
+        wrap_module_classes=wrap_module_classes,
+        min_num_params=min_num_params,
+    )
+    use_fsdp = fsdp_config is not None and dist.is_available() and dist.is_initialized()
+    to_checkpoint = set(_outermost(selected)) if activation_checkpointing else set()
+
+    # Deepest first, so that a parent is wrapped after (and around) its wrapped children.
+    for name in selected:
+        module = model.get_submodule(name)
+        if name in to_checkpoint:
+            module = checkpoint_wrapper(module, offload_to_cpu=offload_activations)
+        if use_fsdp:
+            assert fsdp_config is not None
+            module = fsdp_config.wrap(module)
+        _replace_submodule(model, name, module)
+
+    logger.debug(
+        "Wrapped %d submodule(s)%s%s",
+        len(selected),
+        " in FSDP" if use_fsdp else "",
+        f", {len(to_checkpoint)} checkpointed" if to_checkpoint else "",
+    )
+    return model
