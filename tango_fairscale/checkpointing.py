@@ -17,7 +17,7 @@ from.
 
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -41,16 +41,17 @@ def atomic_save(obj: Any, path: Path) -> None:
     over ``path``: a reader sees the old file or the whole new one, never a partial write.
     """
     path = Path(path)
-    handle = tempfile.NamedTemporaryFile("w+b", dir=path.parent, prefix=f".{path.name}.", delete=False)
+    # A unique sibling name (not tempfile's 0600 files), so the result gets the usual permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with handle:
+        with open(tmp, "xb") as handle:
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        os.replace(tmp, path)
     finally:
-        if os.path.exists(handle.name):
-            os.remove(handle.name)
+        if tmp.exists():
+            tmp.unlink()
 
 
 def safe_load(path: Path) -> Any:

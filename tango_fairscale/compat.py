@@ -8,7 +8,7 @@ never checks whether CUDA is there. The collectives themselves are ordinary
 between FSDP and CPU workers is the stream bookkeeping, which on a CPU is meaningless: CPU
 kernels run synchronously, in program order, so there is nothing to overlap or to wait for.
 
-:func:`enable_cpu_fsdp` removes that obstacle with two scoped changes:
+:func:`enable_cpu_fsdp` removes that obstacle with three scoped changes:
 
 1. Inside FairScale's FSDP module only, the name ``torch`` is rebound to a stand-in whose
    ``cuda`` attribute answers the stream calls with no-op CPU streams. Every other attribute
@@ -16,15 +16,19 @@ kernels run synchronously, in program order, so there is nothing to overlap or t
 2. ``aten::record_stream`` gets a no-op kernel for CPU tensors (it has none). Recording a
    stream only tells the CUDA caching allocator not to reuse memory too early; CPU memory
    is not managed that way, so doing nothing is the exact meaning of the call on a CPU.
+3. FairScale's own switch for its "base" collectives (``ENABLE_NCCL_BASE_COLLECTIVES=0``,
+   read into a module flag at import) is turned off in its two modules, so that it all-gathers
+   and reduce-scatters with the list forms. Gloo's single-tensor reduce-scatter wants the input
+   shaped ``[world_size * n]`` where FairScale passes ``[world_size, n]``; the list forms
+   carry the same data and are what gloo implements.
 
-It is only ever called for FSDP instances whose compute device is the CPU, so a CUDA run
-keeps FairScale's code path byte for byte.
+It is only ever called in processes whose FSDP instances compute on the CPU (Tango's CPU
+workers), so a CUDA run keeps FairScale's code path byte for byte.
 """
 
 import logging
 import threading
 import types
-import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -128,10 +132,10 @@ def enable_cpu_fsdp() -> None:
         from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
         fsdp_module.torch = _TorchWithCpuStreams("torch")  # type: ignore[attr-defined]
+        _set_base_collectives(False)
         library = torch.library.Library("aten", "IMPL")
         library.impl("record_stream", _noop_record_stream, "CPU")
         _record_stream_library = library
-        _silence_collective_deprecations()
         _enabled = True
         logger.debug("Enabled FairScale FSDP on CPU workers")
 
@@ -145,6 +149,7 @@ def disable_cpu_fsdp() -> None:
         from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
         fsdp_module.torch = torch  # type: ignore[attr-defined]
+        _set_base_collectives(_base_collectives_default)
         if _record_stream_library is not None:
             _record_stream_library._destroy()
             _record_stream_library = None
@@ -156,16 +161,21 @@ def cpu_fsdp_enabled() -> bool:
     return _enabled
 
 
-def _silence_collective_deprecations() -> None:
-    # FairScale calls ``dist._all_gather_base`` / ``dist._reduce_scatter_base``, which gloo
-    # implements but torch now flags as private on every call. The calls are correct; the
-    # warnings would only flood each worker's log.
-    for name in ("_all_gather_base", "_reduce_scatter_base"):
-        warnings.filterwarnings(
-            "ignore",
-            message=rf"`torch\.distributed\.{name}` is a private function",
-            category=FutureWarning,
-        )
+def _set_base_collectives(enabled: bool) -> None:
+    from fairscale.internal import reduce_scatter_bucketer
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+
+    fsdp_module.enable_nccl_base_collectives = enabled  # type: ignore[attr-defined]
+    reduce_scatter_bucketer.enable_nccl_base_collectives = enabled  # type: ignore[attr-defined]
+
+
+def _read_base_collectives_default() -> bool:
+    from fairscale.internal import reduce_scatter_bucketer
+
+    return bool(reduce_scatter_bucketer.enable_nccl_base_collectives)
+
+
+_base_collectives_default = _read_base_collectives_default()
 
 
 def fsdp_compute_device_is_cpu() -> bool:

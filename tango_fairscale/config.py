@@ -214,26 +214,8 @@ class FSDPConfig(FromParams):
             )
 
     def _check_types(self) -> None:
-        # Tango passes config values through as they are, so "yes" could reach a bool field.
-        hints = typing.get_type_hints(type(self))
         for field in fields(self):
-            value = getattr(self, field.name)
-            expected = _plain_type(hints[field.name])
-            if value is None and field.default is None:
-                continue
-            ok = isinstance(value, expected) and not (
-                expected is not bool and isinstance(value, bool)
-            )
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True
-            if field.name in _DTYPE_FIELDS and isinstance(value, torch.dtype):
-                ok = True
-            if not ok:
-                raise ConfigurationError(
-                    f"FSDPConfig.{field.name}: expected {expected.__name__}"
-                    f"{' or null' if field.default is None else ''}, "
-                    f"got {type(value).__name__} {value!r}."
-                )
+            _check_type(field.name, getattr(self, field.name))
 
     @classmethod
     def from_params(cls, params_: Any, *args: Any, **kwargs: Any) -> "FSDPConfig":  # type: ignore[override]
@@ -249,6 +231,11 @@ class FSDPConfig(FromParams):
             raise ConfigurationError(
                 f"Unknown FSDPConfig option(s) {unknown}. Valid options: {', '.join(cls.field_names())}."
             )
+        # Checked here too because Tango's own conversion raises a bare TypeError first.
+        values = params_.as_dict(quiet=True) if isinstance(params_, Params) else params_
+        if isinstance(values, dict):
+            for name, value in values.items():
+                _check_type(name, value)
         return super().from_params(params_, *args, **kwargs)  # type: ignore[return-value]
 
     @classmethod
@@ -299,3 +286,27 @@ def _plain_type(annotation: Any) -> type:
     """``Optional[X]`` -> ``X``."""
     args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
     return args[0] if args else annotation
+
+
+def _check_type(name: str, value: Any) -> None:
+    """A :class:`ConfigurationError` naming the field when ``value`` has the wrong type for it."""
+    # Tango passes config values through as they are, so "yes" could reach a bool field.
+    field = next(f for f in fields(FSDPConfig) if f.name == name)
+    expected = _plain_type(typing.get_type_hints(FSDPConfig)[name])
+    if value is None and field.default is None:
+        return
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif name in _DTYPE_FIELDS:
+        ok = isinstance(value, (str, torch.dtype))
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        raise ConfigurationError(
+            f"FSDPConfig.{name}: expected {expected.__name__}"
+            f"{' or null' if field.default is None else ''}, got {type(value).__name__} {value!r}."
+        )

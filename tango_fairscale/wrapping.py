@@ -22,17 +22,23 @@ from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
 
-# FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
-# call, so parameters always get gradients, but it still runs torch's input check, which
-# warns "Gradients will be None" whenever the block's own inputs do not require grad (e.g.
-# the first block after a frozen embedding). The warning is false there; silence it for
-# that one module only.
-warnings.filterwarnings(
-    "ignore",
-    message="None of the inputs have requires_grad=True",
-    category=UserWarning,
-    module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
-)
+def silence_false_gradients_warning() -> None:
+    """
+    FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
+    call, so the block's parameters always get gradients, but it still runs torch's input
+    check, which warns "Gradients will be None" whenever the block's own inputs do not require
+    grad (e.g. the first block after the embedding of integer token ids). The warning is false
+    there; silence it for warnings raised from that one FairScale module only.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message="None of the inputs have requires_grad=True",
+        category=UserWarning,
+        module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
+    )
+
+
+silence_false_gradients_warning()
 
 
 @dataclass
@@ -230,7 +236,7 @@ def with_wrapped_modules(
         With ``activation_checkpointing``, also move the checkpointed blocks' inputs to CPU
         memory until backward. Saves GPU memory, costs transfers; no effect on CPU workers.
     """
-    if not (modules_to_wrap or wrap_module_classes or min_num_params):
+    if not modules_to_wrap and not wrap_module_classes and min_num_params is None:
         raise ConfigurationError(
             "with_wrapped_modules: nothing to wrap. Give modules_to_wrap (regexes), "
             "wrap_module_classes (class names) or min_num_params."

@@ -1,0 +1,131 @@
+"""Running real ``tango run`` commands from the tests, and finding what they produced."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TANGO = str(Path(sys.executable).with_name("tango"))
+INCLUDES = ["tango_fairscale", "examples.toy.components", "tests.components"]
+
+
+def toy_model(num_blocks: int = 4, width: int = 32) -> Dict[str, Any]:
+    return {"type": "toy::regressor", "in_features": 8, "width": width, "num_blocks": num_blocks}
+
+
+def train_config(
+    *,
+    engine: str = "fairscale",
+    wrap: str = "root",
+    device_count: int = 2,
+    train_steps: int = 12,
+    checkpoint_every: int = 6,
+    validate: bool = False,
+    fsdp_config: Optional[Dict[str, Any]] = None,
+    engine_extra: Optional[Dict[str, Any]] = None,
+    model: Optional[Dict[str, Any]] = None,
+    callbacks: Optional[List[Dict[str, Any]]] = None,
+    seed: int = 7,
+) -> Dict[str, Any]:
+    """
+    A ``torch::train`` experiment on the toy regression problem. ``wrap`` is ``"root"`` (FSDP
+    on the root only), ``"nested"`` (each block its own unit), ``"nested_ckpt"`` (and
+    activation checkpointing) or ``"none"`` (the plain model, for the ``"torch"`` engine).
+    """
+    base_model = model or toy_model()
+    if wrap in ("nested", "nested_ckpt"):
+        model_config: Dict[str, Any] = {
+            "type": "fairscale::with_wrapped_modules",
+            "model": base_model,
+            "modules_to_wrap": ["blocks\\.[0-9]+"],
+            "fsdp_config": fsdp_config or {},
+            "activation_checkpointing": wrap == "nested_ckpt",
+        }
+    else:
+        model_config = base_model
+    engine_config: Dict[str, Any] = {
+        "type": engine,
+        "optimizer": {"type": "torch::AdamW", "lr": 0.01, "weight_decay": 0.01},
+        "lr_scheduler": {"type": "torch::StepLR", "step_size": 4, "gamma": 0.5},
+        **(engine_extra or {}),
+    }
+    if engine == "fairscale" and fsdp_config is not None:
+        engine_config["fsdp_config"] = fsdp_config
+    train: Dict[str, Any] = {
+        "type": "torch::train",
+        "model": model_config,
+        "training_engine": engine_config,
+        "dataset_dict": {"type": "ref", "ref": "data"},
+        "train_dataloader": {
+            "batch_size": 8,
+            "sampler": {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True, "seed": 3},
+        },
+        "train_steps": train_steps,
+        "checkpoint_every": checkpoint_every,
+        "log_every": 1,
+        "device_count": device_count,
+        "seed": seed,
+        "callbacks": callbacks if callbacks is not None else [{"type": "test::record_state_sizes"}],
+    }
+    if validate:
+        train["validation_split"] = "validation"
+        train["validate_every"] = checkpoint_every
+        train["validation_dataloader"] = {
+            "batch_size": 16,
+            "sampler": {"type": "torch::DistributedSampler", "shuffle": False, "drop_last": True},
+        }
+    return {
+        "steps": {
+            "data": {"type": "toy::regression_data", "in_features": 8, "train_size": 256, "validation_size": 64},
+            "train": train,
+        }
+    }
+
+
+def run_tango(
+    config: Dict[str, Any],
+    workspace: Path,
+    *,
+    cwd: Path,
+    includes: Optional[List[str]] = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run ``tango run`` on ``config`` in a fresh process, the way a user would."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    config_path = cwd / "config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    command = [TANGO, "--log-level", "info", "run", str(config_path), "-w", str(workspace)]
+    for include in includes if includes is not None else INCLUDES:
+        command += ["-i", include]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"tango run failed with exit code {result.returncode}\n--- stdout ---\n{result.stdout[-6000:]}"
+            f"\n--- stderr ---\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def train_work_dir(workspace: Path) -> Path:
+    """The work directory of the (single) ``torch::train`` step in ``workspace``."""
+    dirs = sorted(workspace.glob("cache/TorchTrainStep-*/work"))
+    assert len(dirs) == 1, f"expected one training step in {workspace}, found {dirs}"
+    return dirs[0]
+
+
+def load_weights(workspace: Path) -> Dict[str, torch.Tensor]:
+    return torch.load(train_work_dir(workspace) / "weights.pt", map_location="cpu", weights_only=True)
+
+
+def max_abs_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"different keys: {sorted(a.keys() ^ b.keys())}"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

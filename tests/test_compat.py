@@ -1,0 +1,39 @@
+"""The CPU support changes FairScale's FSDP module only, and only while enabled."""
+
+import torch
+from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+
+from tango_fairscale import compat
+
+
+def test_enable_is_scoped_and_reversible() -> None:
+    compat.disable_cpu_fsdp()
+    assert fsdp_module.torch is torch
+    real_cuda_stream = torch.cuda.Stream
+    real_is_available = torch.cuda.is_available
+    try:
+        compat.enable_cpu_fsdp()
+        compat.enable_cpu_fsdp()  # idempotent
+        assert compat.cpu_fsdp_enabled()
+        # FairScale's module sees CPU streams ...
+        assert fsdp_module.torch.cuda.Stream is compat.NullStream
+        assert fsdp_module.torch.cuda.is_available()
+        assert fsdp_module.torch.zeros is torch.zeros
+        # ... the rest of the process does not.
+        assert torch.cuda.Stream is real_cuda_stream
+        assert torch.cuda.is_available is real_is_available
+        # record_stream is a no-op on CPU tensors.
+        torch.zeros(2).record_stream(compat.NullStream())
+    finally:
+        compat.disable_cpu_fsdp()
+    assert fsdp_module.torch is torch
+    assert not compat.cpu_fsdp_enabled()
+
+
+def test_stream_context_tracks_the_current_stream() -> None:
+    streams = compat._CudaStreamsOnCpu("torch.cuda")
+    side = streams.Stream()
+    before = streams.current_stream()
+    with streams.stream(side):
+        assert streams.current_stream() is side
+    assert streams.current_stream() is before

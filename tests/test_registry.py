@@ -1,0 +1,55 @@
+"""Coexistence with ai2-tango's bundled tango.integrations.fairscale, in both import orders."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+CHECK = """
+import {first}, {second}
+from tango.integrations.torch import Model, TrainingEngine
+engine = TrainingEngine.by_name("fairscale")
+constructor = Model.resolve_class_name("fairscale::with_wrapped_modules")[0]
+print(engine.__module__, constructor.__module__)
+"""
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("tango_fairscale", "tango.integrations.fairscale"),
+        ("tango.integrations.fairscale", "tango_fairscale"),
+    ],
+)
+def test_both_import_orders_resolve_to_ours(first: str, second: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK.format(first=first, second=second)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["tango_fairscale.engine", "tango_fairscale.wrapping"]
+
+
+def test_misspelt_type_elsewhere_gets_tangos_not_registered_error() -> None:
+    # An unknown name makes Tango import every bundled integration. Its transformers
+    # integration needs the `datasets` package whenever `transformers` is installed (as with
+    # our examples extra), which is unrelated to the clash tested here: hide transformers.
+    script = """
+import sys
+sys.modules["transformers"] = None
+import tango_fairscale
+from tango.common.exceptions import RegistryKeyError
+from tango.integrations.torch import Optimizer
+try:
+    Optimizer.resolve_class_name("torch::Adamm")
+except RegistryKeyError as error:
+    print("REGISTRY:", error)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "REGISTRY: 'torch::Adamm' is not a registered name for 'Optimizer'" in result.stdout

@@ -1,0 +1,119 @@
+import warnings
+from typing import Dict
+
+import pytest
+import torch
+import torch.nn as nn
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from tango.common import Params
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
+
+from examples.toy.components import ToyRegressor
+from tango_fairscale import plan_wrapping, with_wrapped_modules
+from tango_fairscale.wrapping import silence_false_gradients_warning
+
+
+def toy() -> ToyRegressor:
+    torch.manual_seed(0)
+    return ToyRegressor(in_features=4, width=8, num_blocks=3)
+
+
+def batch() -> Dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(5, 4, generator=generator), "y": torch.randn(5, generator=generator)}
+
+
+def test_from_config_without_process_group_applies_checkpointing_only() -> None:
+    model = Model.from_params(
+        Params(
+            {
+                "type": "fairscale::with_wrapped_modules",
+                "model": {"type": "toy::regressor", "in_features": 4, "width": 8, "num_blocks": 3},
+                "modules_to_wrap": ["blocks\\.[0-9]+", "head"],
+                "fsdp_config": {"reshard_after_forward": True},
+                "activation_checkpointing": True,
+            }
+        )
+    )
+    assert not any(isinstance(m, FSDP) for m in model.modules())
+    # Keys stay those of the plain model.
+    assert set(model.state_dict()) == set(toy().state_dict())
+
+
+def test_checkpointing_keeps_outputs_and_gradients() -> None:
+    plain, wrapped = toy(), with_wrapped_modules(toy(), {"blocks\\.[0-9]+"}, activation_checkpointing=True)
+    losses = []
+    for model in (plain, wrapped):
+        loss = model(**batch())["loss"]
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("silenced", [False, True])
+def test_no_false_gradients_warning(silenced: bool) -> None:
+    # The checkpointed module's input (the raw features) does not require grad: torch's
+    # check warns although the module's parameters do get gradients.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if silenced:
+            silence_false_gradients_warning()
+        model = with_wrapped_modules(toy(), {"input"}, activation_checkpointing=True)
+        model(**batch())["loss"].backward()
+    false_warnings = [w for w in caught if "Gradients will be None" in str(w.message)]
+    assert len(false_warnings) == (0 if silenced else 1)
+    assert model.input.weight.grad is not None and model.input.weight.grad.abs().sum() > 0
+
+
+def test_selection_by_class_and_size() -> None:
+    model = toy()
+    assert plan_wrapping(model, wrap_module_classes=["FeedForward"]) == ["blocks.0", "blocks.1", "blocks.2"]
+    # Each block has 8*8+8 = 72 parameters; the smallest modules holding >= 60 are the blocks' linears.
+    assert plan_wrapping(model, min_num_params=60) == [
+        "blocks.0.linear",
+        "blocks.1.linear",
+        "blocks.2.linear",
+    ]
+
+
+def test_overlapping_selection_nests_deepest_first() -> None:
+    assert plan_wrapping(toy(), {"blocks", "blocks\\.[0-9]+"}) == ["blocks.0", "blocks.1", "blocks.2", "blocks"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"modules_to_wrap": {"blocks\\.[0-9"}}, "'blocks\\\\.[0-9' is not a valid regular expression"),
+        ({"modules_to_wrap": {"block\\.[0-9]+"}}, "'block\\\\.[0-9]+' matches no submodule of ToyRegressor"),
+        ({"modules_to_wrap": {".*"}}, "matches the root module"),
+        ({"wrap_module_classes": ["GPT2Block"]}, "no submodule of ToyRegressor has class 'GPT2Block'"),
+        ({"wrap_module_classes": ["ToyRegressor"]}, "is only the root module's own class"),
+        ({"modules_to_wrap": set()}, "nothing to wrap"),
+        ({"min_num_params": 0}, "min_num_params: must be a positive integer"),
+    ],
+)
+def test_bad_wrapping_is_a_configuration_error(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigurationError) as error:
+        with_wrapped_modules(toy(), **kwargs)
+    assert fragment in str(error.value)
+
+
+def test_unmatched_pattern_lists_near_names() -> None:
+    with pytest.raises(ConfigurationError) as error:
+        with_wrapped_modules(toy(), {"blocks\\.[0-9]+", "heads"})
+    assert "'heads' matches no submodule" in str(error.value)
+    assert "'head'" in str(error.value)
+
+
+def test_model_without_parameters() -> None:
+    class Empty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ReLU()
+
+    with pytest.raises(ConfigurationError, match="Empty has no parameters"):
+        with_wrapped_modules(Empty(), {"inner"})  # type: ignore[arg-type]
