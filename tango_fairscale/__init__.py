@@ -13,6 +13,7 @@ under ``include_package`` in ``tango.yml``.
 
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
+from . import checkpointing
 from .errors import CheckpointError
 from .version import VERSION as __version__
 from .wrapping import plan_wrapping, with_wrapped_modules

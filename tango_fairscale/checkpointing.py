@@ -13,13 +13,18 @@ A checkpoint is a directory (Tango's ``checkpoint_state_step<N>``) holding, per 
 and, written by worker 0 after every worker has finished its files, the marker
 ``COMPLETE.json``. A directory without the marker is an interrupted save and is never resumed
 from.
+
+The model file also records, in ``"optimizer_keys"``, which flat parameter each optimizer
+state entry belongs to. With the shard padding in the metadata, that is enough to rebuild the
+full (unsharded) model and optimizer state offline, and to reshard both for another number of
+workers (:func:`reshard_model_weights`, :func:`reshard_optimizer_state`).
 """
 
 import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -138,6 +143,179 @@ def load_model_shards(checkpoint_dir: Path) -> List[Dict[str, Any]]:
     """Every worker's ``{"weights", "metadata"}`` model file of a complete checkpoint, in rank order."""
     marker = require_complete(checkpoint_dir)
     return [safe_load(worker_file(checkpoint_dir, w, "model")) for w in range(marker["world_size"])]
+
+
+def load_optimizer_shards(checkpoint_dir: Path) -> List[Dict[str, Any]]:
+    """Every worker's optimizer file of a complete checkpoint, in rank order."""
+    marker = require_complete(checkpoint_dir)
+    return [safe_load(worker_file(checkpoint_dir, w, "optimizer")) for w in range(marker["world_size"])]
+
+
+_FSDP_PATH_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
+
+
+def clean_parameter_name(name: str) -> str:
+    """
+    The key of an FSDP parameter in ``local_state_dict()``: its ``named_parameters()`` name
+    without FSDP's wrapper levels.
+    """
+    return ".".join(part for part in name.split(".") if part not in _FSDP_PATH_PARTS)
+
+
+def _paddings(metadata: Dict[str, Any]) -> Dict[str, int]:
+    """Local state-dict key of each sharded parameter -> zeros padded onto this worker's shard."""
+    paddings = {}
+    for unit in metadata["param_metadata"]:
+        for backing_name, info in unit["params"].items():
+            key = f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name
+            paddings[key] = info["padding"]
+    return paddings
+
+
+def _unsharded(key: str, tensors: Sequence[torch.Tensor], paddings: Sequence[Dict[str, int]]) -> torch.Tensor:
+    """Concatenate one flat parameter's (or its optimizer state's) shards, without padding."""
+    pieces = []
+    for tensor, padding in zip(tensors, paddings):
+        flat = tensor.reshape(-1)
+        pieces.append(flat[: flat.numel() - padding[key]])
+    return torch.cat(pieces)
+
+
+def _shard(full: torch.Tensor, shard_numel: int, rank: int) -> torch.Tensor:
+    """FairScale's sharding: contiguous chunks of ``shard_numel``, the tail padded with zeros."""
+    shard = torch.zeros(shard_numel, dtype=full.dtype)
+    piece = full[rank * shard_numel : (rank + 1) * shard_numel]
+    shard[: piece.numel()] = piece
+    return shard
+
+
+def same_shapes(saved: Dict[str, torch.Tensor], local: Dict[str, torch.Tensor]) -> bool:
+    """Whether a saved local state dict fits the current one shard for shard."""
+    return saved.keys() == local.keys() and all(saved[key].shape == local[key].shape for key in saved)
+
+
+def _check_same_parameters(saved_keys: Iterable[str], local_keys: Iterable[str]) -> None:
+    saved, local = set(saved_keys), set(local_keys)
+    if saved != local:
+        raise CheckpointError(
+            "The checkpoint was saved from a differently wrapped model, so it cannot be resharded: "
+            f"parameters only in the checkpoint {sorted(saved - local)[:5]}, only in this model "
+            f"{sorted(local - saved)[:5]}. Use the same modules_to_wrap/fsdp_config as the run that saved it."
+        )
+
+
+def reshard_model_weights(
+    shards: List[Dict[str, Any]], local_weights: Dict[str, torch.Tensor], rank: int
+) -> Dict[str, torch.Tensor]:
+    """
+    This worker's ``local_state_dict`` for a checkpoint saved by any number of workers:
+    ``local_weights`` (the current local state dict) gives the keys and the shard sizes.
+    """
+    _check_same_parameters(shards[0]["weights"].keys(), local_weights.keys())
+    paddings = [_paddings(shard["metadata"]) for shard in shards]
+    resharded: Dict[str, torch.Tensor] = {}
+    for key, current in local_weights.items():
+        if key not in paddings[0]:  # a buffer: replicated, take worker 0's
+            resharded[key] = shards[0]["weights"][key]
+            continue
+        full = _unsharded(key, [shard["weights"][key] for shard in shards], paddings)
+        resharded[key] = _shard(full, current.numel(), rank).to(current.dtype).view(current.shape)
+    return resharded
+
+
+def reshard_optimizer_state(
+    model_shards: List[Dict[str, Any]],
+    optimizer_shards: List[Dict[str, Any]],
+    local_weights: Dict[str, torch.Tensor],
+    optimizer_keys: List[str],
+    rank: int,
+) -> Dict[str, Any]:
+    """
+    This worker's optimizer ``state_dict`` for a checkpoint saved by any number of workers.
+    Per-element state (e.g. Adam's moments) is resharded like the parameters; scalar state
+    (e.g. the step count) is the same on every worker and taken from worker 0.
+    """
+    saved_keys = model_shards[0]["optimizer_keys"]
+    _check_same_parameters(saved_keys, optimizer_keys)
+    paddings = [_paddings(shard["metadata"]) for shard in model_shards]
+    saved_index = {key: index for index, key in enumerate(saved_keys)}
+    state: Dict[int, Dict[str, Any]] = {}
+    for new_index, key in enumerate(optimizer_keys):
+        old_index = saved_index[key]
+        per_worker = [optimizer["state"].get(old_index) for optimizer in optimizer_shards]
+        if per_worker[0] is None:
+            continue  # never stepped
+        entry: Dict[str, Any] = {}
+        for name, value in per_worker[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                full = _unsharded(key, [worker[name] for worker in per_worker], paddings)
+                entry[name] = _shard(full, local_weights[key].numel(), rank).to(value.dtype)
+            else:
+                entry[name] = value
+        state[new_index] = entry
+    groups = []
+    for group in optimizer_shards[0]["param_groups"]:
+        groups.append(
+            {**group, "params": [optimizer_keys.index(saved_keys[index]) for index in group["params"]]}
+        )
+    return {"state": state, "param_groups": groups}
+
+
+def _unit_info(key: str, metadata: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """The FSDP unit path and the metadata entry of one flat parameter (by local state-dict key)."""
+    for unit in metadata["param_metadata"]:
+        for backing_name, info in unit["params"].items():
+            unit_key = f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name
+            if unit_key == key:
+                return unit["fsdp_path"], info
+    raise CheckpointError(f"No shard metadata for parameter {key!r}.")
+
+
+def _original_names(key: str, metadata: Dict[str, Any]) -> List[str]:
+    """The plain model's names of the parameters flattened into ``key``."""
+    fsdp_path, info = _unit_info(key, metadata)
+    prefix = f"{fsdp_path}." if fsdp_path else ""
+    return [prefix + name for name in info["names"]]
+
+
+def _unflatten(key: str, full: torch.Tensor, metadata: Dict[str, Any]) -> List[Tuple[str, torch.Tensor]]:
+    """Split a full flat parameter (or state of the same shape) into the original named tensors."""
+    _, info = _unit_info(key, metadata)
+    pieces = full.split(info["numels"])
+    return [
+        (name, piece.view(shape))
+        for name, piece, shape in zip(_original_names(key, metadata), pieces, info["shapes"])
+    ]
+
+
+def consolidate_optimizer_state(
+    model_shards: List[Dict[str, Any]], optimizer_shards: List[Dict[str, Any]]
+) -> Dict[str, Any]:
+    """
+    The full optimizer state, keyed by the plain model's parameter names:
+    ``{"state": {name: {"exp_avg": tensor, "step": ..., ...}}, "param_groups": [... "params": [names]]}``.
+    """
+    keys = model_shards[0]["optimizer_keys"]
+    paddings = [_paddings(shard["metadata"]) for shard in model_shards]
+    metadata = model_shards[0]["metadata"]
+    state: Dict[str, Dict[str, Any]] = {}
+    for index, key in enumerate(keys):
+        per_worker = [optimizer["state"].get(index) for optimizer in optimizer_shards]
+        if per_worker[0] is None:
+            continue  # never stepped
+        for name, value in per_worker[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                full = _unsharded(key, [worker[name] for worker in per_worker], paddings)
+                for param_name, piece in _unflatten(key, full, metadata):
+                    state.setdefault(param_name, {})[name] = piece
+            else:
+                for param_name in _original_names(key, metadata):
+                    state.setdefault(param_name, {})[name] = value
+    groups = [
+        {**group, "params": [name for index in group["params"] for name in _original_names(keys[index], metadata)]}
+        for group in optimizer_shards[0]["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:

@@ -6,13 +6,13 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.optim.grad_scaler import ShardedGradScaler
-from tango.common import Lazy
+from tango.common import Lazy, Tqdm
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import (
     LRScheduler,
@@ -64,6 +64,12 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     :param fsdp_config:
         The FSDP options of the root unit (see :class:`~tango_fairscale.FSDPConfig`).
         Default: FairScale's defaults.
+    :param resume_from_checkpoint:
+        A complete checkpoint directory (``.../work/checkpoint_state_step<N>``), or the work
+        directory of a ``torch::train`` step (its latest checkpoint is used), to start from when
+        this step has no checkpoint of its own. It may come from a run with a different number
+        of workers: parameters and optimizer state are resharded on load. Model, optimizer,
+        LR scheduler, grad scaler and the step count are restored.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         max_grad_norm: Optional[float] = None,
         amp_use_bfloat16: Optional[bool] = None,
         fsdp_config: Optional[FSDPConfig] = None,
+        resume_from_checkpoint: Optional[str] = None,
     ) -> None:
         if not train_config.is_distributed:
             raise ConfigurationError(
@@ -110,6 +117,32 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.amp_dtype = torch.bfloat16 if amp_use_bfloat16 else torch.float16
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
         self.grad_scaler = ShardedGradScaler() if amp and self.amp_dtype == torch.float16 else None
+        if resume_from_checkpoint is not None:
+            self._link_resume_checkpoint(Path(resume_from_checkpoint))
+
+    def _link_resume_checkpoint(self, source: Path) -> None:
+        # Tango resumes from `checkpoint_state_latest` in the step's work directory when it
+        # exists, right after constructing the engine: pointing that link at the requested
+        # checkpoint makes Tango restore the step count and data position as for any resume.
+        config = self.train_config
+        has_own_checkpoint = config.state_path.exists()
+        # Every worker looks before worker 0 creates the link, so that all take the same branch
+        # (and meet at the same barriers).
+        dist.barrier()
+        if has_own_checkpoint:
+            logger.info("Resuming from this step's own checkpoint; ignoring resume_from_checkpoint")
+            return
+        source = source.expanduser().resolve()
+        if (source / "checkpoint_state_latest").exists():
+            source = (source / "checkpoint_state_latest").resolve()
+        try:
+            checkpointing.require_complete(source)
+        except checkpointing.CheckpointError as error:
+            raise ConfigurationError(f"resume_from_checkpoint: {error}") from None
+        if config.worker_id == 0:
+            config.work_dir.mkdir(parents=True, exist_ok=True)
+            config.state_path.symlink_to(source, target_is_directory=True)
+        dist.barrier()
 
     @property
     def computes_on_cpu(self) -> bool:
@@ -154,12 +187,22 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         fsdp: FSDP = self.model  # type: ignore[assignment]
         fsdp.load_local_state_dict(state_dict["weights"])
 
+    def _optimizer_keys(self) -> List[str]:
+        """The local state-dict key of each parameter, in the optimizer's state order."""
+        names = {id(p): checkpointing.clean_parameter_name(n) for n, p in self.model.named_parameters()}
+        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
     def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
         checkpoint_dir = Path(checkpoint_dir)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
         worker = self.train_config.worker_id
+        if worker == 0:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            # The directory may hold an older save of the same step (a run that was resumed
+            # from before it): it stops counting before any file in it changes.
+            (checkpoint_dir / checkpointing.MARKER).unlink(missing_ok=True)
+        dist.barrier()
         states: Dict[str, Any] = {
-            "model": self.get_model_state(),
+            "model": {**self.get_model_state(), "optimizer_keys": self._optimizer_keys()},
             "optimizer": self.optimizer.state_dict(),
             "trainer": client_state,
         }
@@ -167,8 +210,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             states["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.grad_scaler is not None:
             states["grad_scaler"] = self.grad_scaler.state_dict()
-        for name, state in states.items():
-            checkpointing.atomic_save(state, checkpointing.worker_file(checkpoint_dir, worker, name))
+        for name, state in Tqdm.tqdm(
+            states.items(),
+            desc=f"Saving checkpoint {checkpoint_dir.name}",
+            leave=False,
+            disable=worker != 0,
+        ):
+            self._write_state(name, state, checkpointing.worker_file(checkpoint_dir, worker, name))
         # Only once every worker has its files on disk does the checkpoint count.
         dist.barrier()
         if worker == 0:
@@ -179,16 +227,45 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             )
         dist.barrier()
 
+    def _write_state(self, name: str, state: Any, path: Path) -> None:
+        """Write one of this worker's checkpoint files (``name`` is ``"model"``, ``"optimizer"``, ...)."""
+        checkpointing.atomic_save(state, path)
+
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
-        checkpoint_dir = Path(checkpoint_dir)
-        checkpointing.require_complete(checkpoint_dir)
+        checkpoint_dir = Path(checkpoint_dir).resolve()
+        marker = checkpointing.require_complete(checkpoint_dir)
+        saved_world_size = marker["world_size"]
         worker = self.train_config.worker_id
+        # Replicated state (scheduler, scaler, trainer) is the same in every worker's file;
+        # a worker that did not exist in the saved run reads worker 0's.
+        source_worker = worker if worker < saved_world_size else 0
 
-        def load(name: str) -> Any:
-            return checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, worker, name))
+        def load(name: str, from_worker: int = source_worker) -> Any:
+            return checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, from_worker, name))
 
-        self.load_model_state(load("model"))
-        self.optimizer.load_state_dict(load("optimizer"))
+        fsdp: FSDP = self.model  # type: ignore[assignment]
+        local_weights = fsdp.local_state_dict()
+        own_model = load("model")
+        if saved_world_size == self.train_config.world_size and checkpointing.same_shapes(
+            own_model["weights"], local_weights
+        ):
+            self.load_model_state(own_model)
+            self.optimizer.load_state_dict(load("optimizer"))
+        else:
+            logger.info(
+                "Resharding checkpoint %s from %d to %d workers",
+                checkpoint_dir,
+                saved_world_size,
+                self.train_config.world_size,
+            )
+            model_shards = [load("model", w) for w in range(saved_world_size)]
+            optimizer_shards = [load("optimizer", w) for w in range(saved_world_size)]
+            fsdp.load_local_state_dict(checkpointing.reshard_model_weights(model_shards, local_weights, worker))
+            self.optimizer.load_state_dict(
+                checkpointing.reshard_optimizer_state(
+                    model_shards, optimizer_shards, local_weights, self._optimizer_keys(), worker
+                )
+            )
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(load("lr_scheduler"))
         if self.grad_scaler is not None:

@@ -1,10 +1,16 @@
 """Tango components used only by the tests (imported by the workers with ``-i tests.components``)."""
 
 import json
+import os
+import signal
+import time
+from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from tango.integrations.torch import TrainCallback
+from tango.integrations.torch import TrainCallback, TrainingEngine
+
+from tango_fairscale import FairScaleTrainingEngine
 
 
 @TrainCallback.register("test::record_state_sizes")
@@ -30,3 +36,61 @@ class RecordStateSizes(TrainCallback):
         }
         path = self.train_config.work_dir / f"state_sizes_worker{self.train_config.worker_id}.json"
         path.write_text(json.dumps(sizes))
+
+
+@TrainCallback.register("test::record_losses")
+class RecordLosses(TrainCallback):
+    """Appends ``{step: batch_loss}`` (averaged over workers) to ``losses.json`` in the work directory."""
+
+    def log_batch(self, step: int, epoch: int, batch_loss: float, batch_outputs: Any) -> None:
+        if not self.is_local_main_process:
+            return
+        path = self.train_config.work_dir / "losses.json"
+        losses = json.loads(path.read_text()) if path.exists() else {}
+        losses[str(step)] = batch_loss
+        path.write_text(json.dumps(losses))
+
+
+@TrainCallback.register("test::slow_down")
+class SlowDown(TrainCallback):
+    """Sleeps after every batch, so that a test can kill a run between two checkpoints."""
+
+    def __init__(self, *args: Any, seconds: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+
+    def post_batch(self, step: int, epoch: int, batch_loss: float, batch_outputs: Any) -> None:
+        time.sleep(self.seconds)
+
+
+@TrainCallback.register("test::save_after_load")
+class SaveAfterLoad(TrainCallback):
+    """Saves the engine's state to ``after_load/`` right before training starts (after any resume)."""
+
+    def pre_train_loop(self) -> None:
+        self.training_engine.save_checkpoint(self.train_config.work_dir / "after_load", {"training_steps": -1})
+
+
+@TrainingEngine.register("test::fairscale_crash_in_save")
+class CrashInSave(FairScaleTrainingEngine):
+    """
+    The ``"fairscale"`` engine, except that worker 1 kills itself with SIGKILL right after
+    writing its model file of checkpoint ``crash_at_checkpoint``, once (a marker file in the
+    work directory remembers that it happened, so the re-run goes through).
+    """
+
+    def __init__(self, *args: Any, crash_at_checkpoint: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.crash_at_checkpoint = crash_at_checkpoint
+
+    def _write_state(self, name: str, state: Any, path: Path) -> None:
+        super()._write_state(name, state, path)
+        crashed = self.train_config.work_dir / "crashed_once"
+        if (
+            name == "model"
+            and self.train_config.worker_id == 1
+            and path.parent.name == self.crash_at_checkpoint
+            and not crashed.exists()
+        ):
+            crashed.touch()
+            os.kill(os.getpid(), signal.SIGKILL)

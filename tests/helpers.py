@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,35 @@ def train_config(
     }
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tango_command(config: Dict[str, Any], workspace: Path, cwd: Path, includes: Optional[List[str]] = None) -> List[str]:
+    """
+    Write ``config`` to ``cwd/config.json`` and return the ``tango run`` command for it. Each
+    training step gets a free port (Tango's default one would clash between concurrent runs);
+    the port is not part of a step's identity, so a re-run still resumes the same step.
+    """
+    cwd.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(config))
+    for step in config["steps"].values():
+        if step.get("type") == "torch::train":
+            step["distributed_port"] = free_port()
+    config_path = cwd / "config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    command = [TANGO, "--log-level", "info", "run", str(config_path), "-w", str(workspace)]
+    for include in includes if includes is not None else INCLUDES:
+        command += ["-i", include]
+    return command
+
+
+def tango_env() -> Dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_tango(
     config: Dict[str, Any],
     workspace: Path,
@@ -97,15 +127,9 @@ def run_tango(
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``tango run`` on ``config`` in a fresh process, the way a user would."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    config_path = cwd / "config.json"
-    config_path.write_text(json.dumps(config, indent=2))
-    command = [TANGO, "--log-level", "info", "run", str(config_path), "-w", str(workspace)]
-    for include in includes if includes is not None else INCLUDES:
-        command += ["-i", include]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = tango_command(config, workspace, cwd, includes)
     result = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        command, cwd=cwd, env=tango_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
     if check and result.returncode != 0:
         raise AssertionError(

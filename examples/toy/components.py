@@ -41,7 +41,7 @@ class ToyRegressor(Model):
 
 @Step.register("toy::regression_data")
 class RegressionData(Step):
-    """A noisy, non-linear regression problem: ``train`` and ``validation`` splits."""
+    """A smooth non-linear regression problem with a little noise: ``train`` and ``validation`` splits."""
 
     DETERMINISTIC = True
     CACHEABLE = True
@@ -54,7 +54,7 @@ class RegressionData(Step):
 
         def make(size: int) -> list:
             x = torch.randn(size, in_features, generator=generator)
-            y = torch.sin(x @ projection) + 0.05 * torch.randn(size, generator=generator)
+            y = torch.tanh(x @ projection / in_features**0.5) + 0.05 * torch.randn(size, generator=generator)
             return [{"x": x[i], "y": y[i]} for i in range(size)]
 
         return DatasetDict(splits={"train": make(train_size), "validation": make(validation_size)})

@@ -1,0 +1,270 @@
+"""
+Sharded checkpoints: resuming after SIGKILL, a crash in the middle of a save, resuming on a
+different number of workers, refusing pickles, and offline consolidation.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from examples.toy.components import ToyRegressor
+from tango_fairscale import CheckpointError, checkpointing
+from tests.helpers import (
+    REPO,
+    load_weights,
+    max_abs_difference,
+    run_tango,
+    tango_command,
+    tango_env,
+    train_config,
+    train_work_dir,
+)
+
+pytestmark = pytest.mark.slow
+
+RESUME_TOLERANCE = 1e-6
+CALLBACKS: List[Dict[str, Any]] = [{"type": "test::record_losses"}, {"type": "test::slow_down", "seconds": 0.15}]
+
+
+def kill_config(**overrides: Any) -> Dict[str, Any]:
+    return train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=12,
+        checkpoint_every=3,
+        callbacks=CALLBACKS,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    run_tango(kill_config(), root / "ws", cwd=root / "cwd")
+    return load_weights(root / "ws")
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_sigkill_after_checkpoint_then_rerun_matches(uninterrupted: Dict[str, torch.Tensor], tmp_path: Path) -> None:
+    config = kill_config()
+    cwd, workspace = tmp_path / "cwd", tmp_path / "ws"
+    process = subprocess.Popen(
+        tango_command(config, workspace, cwd),
+        cwd=cwd,
+        env=tango_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        marker = lambda: next(iter(workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_step6/COMPLETE.json")), None)  # noqa: E731
+        wait_for(lambda: marker() is not None, 240, "the step-6 checkpoint")
+        os.killpg(process.pid, signal.SIGKILL)  # the main process and both workers
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    work_dir = train_work_dir(workspace)
+    assert not (work_dir / "weights.pt").exists(), "the run finished before it was killed"
+    losses_before = json.loads((work_dir / "losses.json").read_text())
+
+    result = run_tango(config, workspace, cwd=cwd)
+    assert "Recovering from previous run" in result.stdout + result.stderr
+    losses = json.loads((work_dir / "losses.json").read_text())
+    # The re-run started after the last complete checkpoint, not from scratch.
+    assert min(int(step) for step in losses_before) == 0
+    assert max(int(step) for step in losses_before) >= 5
+    difference = max_abs_difference(load_weights(workspace), uninterrupted)
+    print(f"max |resumed - uninterrupted| = {difference:.3e}")
+    assert difference <= RESUME_TOLERANCE
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(uninterrupted: Dict[str, torch.Tensor], tmp_path: Path) -> None:
+    config = kill_config()
+    config["steps"]["train"]["training_engine"]["type"] = "test::fairscale_crash_in_save"
+    config["steps"]["train"]["training_engine"]["crash_at_checkpoint"] = "checkpoint_state_step6"
+    first = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
+    assert first.returncode != 0
+    work_dir = train_work_dir(tmp_path / "ws")
+    assert (work_dir / "crashed_once").exists()
+    # The interrupted save left worker 1's model file but no marker: it does not count ...
+    interrupted = work_dir / "checkpoint_state_step6"
+    assert (interrupted / "worker1_model.pt").exists()
+    assert not checkpointing.is_complete(interrupted)
+    # ... and the last complete checkpoint is still the resume point.
+    assert (work_dir / "checkpoint_state_latest").resolve().name == "checkpoint_state_step3"
+    assert checkpointing.is_complete(work_dir / "checkpoint_state_step3")
+
+    second = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    assert "checkpoint_state_step3" in second.stdout + second.stderr
+    difference = max_abs_difference(load_weights(tmp_path / "ws"), uninterrupted)
+    print(f"max |resumed after crash in save - uninterrupted| = {difference:.3e}")
+    assert difference <= RESUME_TOLERANCE
+
+
+def consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
+    model_shards = checkpointing.load_model_shards(checkpoint_dir)
+    optimizer_shards = checkpointing.load_optimizer_shards(checkpoint_dir)
+    return {
+        "model": checkpointing.consolidate_model_state(model_shards),
+        "optimizer": checkpointing.consolidate_optimizer_state(model_shards, optimizer_shards),
+    }
+
+
+def assert_states_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    assert max_abs_difference(a["model"], b["model"]) == 0.0
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys() == a["model"].keys()
+    for name in state_a:
+        assert state_a[name].keys() == state_b[name].keys()
+        for key in state_a[name]:
+            assert torch.equal(torch.as_tensor(state_a[name][key]), torch.as_tensor(state_b[name][key])), (name, key)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("two_workers")
+    config = train_config(engine="fairscale", wrap="nested", train_steps=8, checkpoint_every=4, callbacks=[])
+    config["steps"]["train"]["remove_stale_checkpoints"] = False  # keep step 4 to resume from
+    run_tango(config, root / "ws", cwd=root / "cwd")
+    return train_work_dir(root / "ws")
+
+
+def resume_on(workers: int, source: Path, tmp_path: Path) -> Path:
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        device_count=workers,
+        train_steps=20,
+        checkpoint_every=10,
+        callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
+        engine_extra={"resume_from_checkpoint": str(source)},
+    )
+    config["steps"]["train"]["remove_stale_checkpoints"] = False
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    assert "Resharding checkpoint" in result.stdout + result.stderr
+    return train_work_dir(tmp_path / "ws")
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+def test_resume_on_another_world_size(workers: int, two_worker_run: Path, tmp_path: Path) -> None:
+    saved = two_worker_run / "checkpoint_state_step4"
+    work_dir = resume_on(workers, saved, tmp_path)
+    assert checkpointing.read_marker(work_dir / "after_load")["world_size"] == workers  # type: ignore[index]
+    # Right after loading, the new workers hold exactly what the 2-worker run saved.
+    assert_states_equal(consolidated(work_dir / "after_load"), consolidated(saved))
+    # Training went on from step 4 (not 0), and the loss went down.
+    losses = {int(step): loss for step, loss in json.loads((work_dir / "losses.json").read_text()).items()}
+    assert min(losses) == 4
+    first, last = sorted(losses)[:3], sorted(losses)[-3:]
+    assert sum(losses[s] for s in last) < sum(losses[s] for s in first)
+
+    # And back: resume the resharded run's checkpoint on 2 workers.
+    back = resume_on(2, work_dir / "checkpoint_state_step10", tmp_path / "back")
+    assert_states_equal(consolidated(back / "after_load"), consolidated(work_dir / "checkpoint_state_step10"))
+
+
+class CreatesFile:
+    """Unpickling this creates a file: what an attacker's checkpoint would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (str(self.path), "w"))
+
+
+def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: Path) -> None:
+    tampered = tmp_path / "tampered"
+    shutil.copytree(two_worker_run / "checkpoint_state_step4", tampered)
+    evidence = tmp_path / "pwned"
+    torch.save({"state": CreatesFile(evidence), "param_groups": []}, tampered / "worker1_optimizer.pt")
+
+    with pytest.raises(CheckpointError, match="Refusing to load .*worker1_optimizer.pt"):
+        checkpointing.safe_load(tampered / "worker1_optimizer.pt")
+    assert not evidence.exists()
+
+    # Through a real run resuming from it.
+    config = train_config(engine="fairscale", wrap="nested", train_steps=6, checkpoint_every=3, callbacks=[])
+    config["steps"]["train"]["training_engine"]["resume_from_checkpoint"] = str(tampered)
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
+    assert result.returncode != 0
+    assert "worker1_optimizer.pt" in result.stdout + result.stderr
+    assert not evidence.exists()
+
+    # Through the consolidate command.
+    cli = subprocess.run(
+        [sys.executable, "-m", "tango_fairscale", "consolidate", str(tampered), str(tmp_path / "out.pt"), "--optimizer"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 2
+    assert "Refusing to load" in cli.stderr and "worker1_optimizer.pt" in cli.stderr
+    assert not evidence.exists()
+    # Sanity: the payload does run under plain unpickling, so the refusals above are real.
+    with open(tampered / "worker1_optimizer.pt", "rb"):
+        pass
+    pickle.loads(pickle.dumps(CreatesFile(evidence)))
+    assert evidence.exists()
+
+
+def test_consolidate_command(two_worker_run: Path, tmp_path: Path) -> None:
+    output = tmp_path / "full.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "tango_fairscale", "consolidate", str(two_worker_run), str(output), "--optimizer"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "from 2 shards" in result.stdout
+    assert "Reading shards" in result.stderr  # the progress bar
+    full = torch.load(output, weights_only=True)
+    model = ToyRegressor(in_features=8, width=32, num_blocks=4)
+    model.load_state_dict(full["model"], strict=True)
+    # The work dir's latest checkpoint is the final one, whose weights are the step's weights.pt.
+    assert max_abs_difference(full["model"], torch.load(two_worker_run / "weights.pt", weights_only=True)) == 0.0
+    assert set(full["optimizer"]["state"]) == set(full["model"])
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda d: None, "is not a tango-fairscale checkpoint"),
+        (lambda d: torch.save({}, d / "worker0_model.pt"), "is an incomplete checkpoint"),
+    ],
+)
+def test_consolidate_refuses_foreign_or_incomplete_dirs(make: Any, fragment: str, tmp_path: Path) -> None:
+    make(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "tango_fairscale", "consolidate", str(tmp_path), str(tmp_path / "out.pt")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert fragment in result.stderr
+    assert not (tmp_path / "out.pt").exists()
