@@ -15,8 +15,11 @@ from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from . import checkpointing
 from .errors import CheckpointError
+from .preflight import install as _install_preflight
 from .version import VERSION as __version__
 from .wrapping import plan_wrapping, with_wrapped_modules
+
+_install_preflight()
 
 __all__ = [
     "CheckpointError",

@@ -6,7 +6,7 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -143,6 +143,19 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             config.work_dir.mkdir(parents=True, exist_ok=True)
             config.state_path.symlink_to(source, target_is_directory=True)
         dist.barrier()
+
+    def forward_train(
+        self, micro_batch: Dict[str, Any], micro_batch_idx: int, num_micro_batches: int
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        try:
+            return super().forward_train(micro_batch, micro_batch_idx, num_micro_batches)
+        except KeyError as error:
+            if error.args != ("loss",):
+                raise
+            raise ConfigurationError(
+                "The model's forward() returned no 'loss': torch::train needs forward() to return "
+                "a dict with the training loss under \"loss\" (a scalar tensor)."
+            ) from None
 
     @property
     def computes_on_cpu(self) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from tango.integrations.torch import TrainCallback, TrainingEngine
+from tango.integrations.torch import Model, TrainCallback, TrainingEngine
 
 from tango_fairscale import FairScaleTrainingEngine
 
@@ -94,3 +94,37 @@ class CrashInSave(FairScaleTrainingEngine):
         ):
             crashed.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+@Model.register("test::no_parameters")
+class NoParameters(Model):
+    """A model with nothing to train."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"loss": (x.sum() - y.sum()) ** 2}
+
+
+@Model.register("test::no_loss")
+class NoLoss(Model):
+    """A model whose forward returns predictions but no loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"prediction": self.linear(x)}
+
+
+@TrainCallback.register("test::fail_on_worker")
+class FailOnWorker(TrainCallback):
+    """Raises on one worker only, at a given step, while the others carry on into collectives."""
+
+    def __init__(self, *args: Any, worker: int = 1, step: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker = worker
+        self.step = step
+
+    def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        if step == self.step and self.train_config.worker_id == self.worker:
+            raise RuntimeError(f"deliberate failure on worker {self.worker} at step {step}")
