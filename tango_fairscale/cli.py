@@ -5,6 +5,8 @@ Commands:
 
 - ``consolidate CHECKPOINT_DIR OUT.pt [--optimizer]``: one full state dict from a sharded
   checkpoint, with no process group and no GPU.
+- ``plan CONFIG [--step NAME] [--world-size N]``: the wrap plan of a training step and the
+  model state each worker will hold, without training.
 """
 
 import argparse
@@ -16,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from . import checkpointing
+from tango.common.exceptions import ConfigurationError
+
 from .errors import CheckpointError
 
 
@@ -50,6 +54,52 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     )
 
 
+def _load_step(config: Path, step_name: Optional[str], includes: List[str], ext_vars: List[str]) -> "tuple[str, dict]":
+    from tango.common import Params
+    from tango.common.exceptions import ConfigurationError
+    from tango.common.util import import_extra_module
+
+    variables = {}
+    for item in ext_vars:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigurationError(f"--ext-var takes KEY=VALUE, got {item!r}")
+        variables[key] = value
+    params = Params.from_file(config, ext_vars=variables).as_dict(quiet=True)
+    packages = list(includes) + list(params.pop("include_package", []))
+    settings = Path("tango.yml")
+    if settings.is_file():
+        import yaml
+
+        packages += list((yaml.safe_load(settings.read_text()) or {}).get("include_package", []))
+    for package in packages:
+        import_extra_module(package)
+    steps = params.get("steps", {})
+    train_steps = {name: step for name, step in steps.items() if isinstance(step, dict) and step.get("type") == "torch::train"}
+    if step_name is not None:
+        if step_name not in steps:
+            raise ConfigurationError(f"No step {step_name!r} in {config}; its steps: {sorted(steps)}")
+        return step_name, steps[step_name]
+    if len(train_steps) != 1:
+        raise ConfigurationError(
+            f"{config} has {len(train_steps)} torch::train steps ({sorted(train_steps)}): choose one with --step."
+        )
+    return next(iter(train_steps.items()))
+
+
+def plan_command(config: Path, step_name: Optional[str], world_size: Optional[int], includes: List[str], ext_vars: List[str], json_path: Optional[Path]) -> None:
+    """Print the wrap plan of a training step (and write it as JSON with ``json_path``)."""
+    import json
+
+    from .plan import make_plan, render
+
+    name, step = _load_step(config, step_name, includes, ext_vars)
+    plan = make_plan(name, step, world_size)
+    print(render(plan))
+    if json_path is not None:
+        json_path.write_text(json.dumps(plan.as_dict(), indent=2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tango_fairscale", description="Tools for tango-fairscale runs and checkpoints."
@@ -69,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='also consolidate the optimizer state; the file is then {"model": ..., "optimizer": ...}',
     )
+
+    plan_parser = commands.add_parser(
+        "plan",
+        help="show the FSDP wrap plan of a training step and its memory per worker, without training",
+        description="Build the model of a torch::train step (on the meta device where possible, else on the "
+        "CPU) and print each FSDP unit with its parameter count, whether it is checkpointed, and the "
+        "estimated per-worker bytes of parameters, gradients and optimizer state beside DDP's. "
+        "Needs no process group and no GPU.",
+    )
+    plan_parser.add_argument("config", type=Path, help="the Tango experiment config (.jsonnet or .json)")
+    plan_parser.add_argument("--step", help="the step to plan (default: the config's only torch::train step)")
+    plan_parser.add_argument("--world-size", type=int, help="number of workers (default: the step's device_count)")
+    plan_parser.add_argument(
+        "-i", "--include-package", action="append", default=[], help="a module to import (repeatable)"
+    )
+    plan_parser.add_argument("--ext-var", action="append", default=[], help="a jsonnet external variable KEY=VALUE")
+    plan_parser.add_argument("--json", type=Path, dest="json_path", help="also write the plan as JSON to this file")
     return parser
 
 
@@ -77,7 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "consolidate":
             consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer)
-    except CheckpointError as error:
+        elif args.command == "plan":
+            plan_command(args.config, args.step, args.world_size, args.include_package, args.ext_var, args.json_path)
+    except (CheckpointError, ConfigurationError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -16,8 +16,9 @@ from tango_fairscale import FairScaleTrainingEngine
 @TrainCallback.register("test::record_state_sizes")
 class RecordStateSizes(TrainCallback):
     """
-    Writes, per worker, how many parameter and optimizer-state elements that worker holds
-    after training, to ``state_sizes_worker{N}.json`` in the step's work directory.
+    Writes, per worker, how many parameter and optimizer-state elements (and bytes, gradients
+    included) that worker holds after training, to ``state_sizes_worker{N}.json`` in the step's
+    work directory.
     """
 
     def post_train_loop(self, step: int, epoch: int) -> None:
@@ -29,10 +30,20 @@ class RecordStateSizes(TrainCallback):
             for value in state.values()
             if isinstance(value, torch.Tensor) and value.dim() > 0
         )
+        optimizer_bytes = sum(
+            value.numel() * value.element_size()
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        parameters = list(model.parameters())
         sizes: Dict[str, Any] = {
             "worker": self.train_config.worker_id,
-            "param_numel": sum(p.numel() for p in model.parameters()),
+            "param_numel": sum(p.numel() for p in parameters),
             "optimizer_numel": optimizer_numel,
+            "param_bytes": sum(p.numel() * p.element_size() for p in parameters),
+            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
+            "optimizer_bytes": optimizer_bytes,
         }
         path = self.train_config.work_dir / f"state_sizes_worker{self.train_config.worker_id}.json"
         path.write_text(json.dumps(sizes))

@@ -1,0 +1,78 @@
+"""``python -m tango_fairscale plan``: the wrap plan, and its estimate against a real run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from tests.helpers import run_tango, tango_env, train_config, train_work_dir
+
+
+def plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> Dict[str, Any]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "tango_fairscale", "plan", str(config_path), "--json", str(tmp_path / "plan.json"),
+         "-i", "examples.toy.components", *extra],
+        cwd=tmp_path,
+        env=tango_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    print(result.stdout)
+    return {"text": result.stdout, **json.loads((tmp_path / "plan.json").read_text())}
+
+
+def test_plan_tree_and_estimates(tmp_path: Path) -> None:
+    result = plan(train_config(wrap="nested_ckpt"), tmp_path, "--world-size", "4")
+    names: List[str] = [unit["name"] for unit in result["units"]]
+    assert names == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert all(unit["checkpointed"] for unit in result["units"][1:])
+    # 8*32+32 (input) + 32+1 (head) in the root; 32*32+32 per block.
+    assert [unit["parameters"] for unit in result["units"]] == [321, 1056, 1056, 1056, 1056]
+    assert [unit["shard_parameters"] for unit in result["units"]] == [81, 264, 264, 264, 264]
+    assert result["parameters"] == 321 + 4 * 1056
+    assert result["world_size"] == 4
+    assert "built on the meta device" in result["text"]
+    assert "└── blocks.3 (FeedForward)" in result["text"]
+    ddp = result["ddp_bytes_per_worker"]["total"]
+    assert ddp == result["parameters"] * 4 * (1 + 1 + 2)  # fp32 params, grads, AdamW's 2 moments
+    assert result["bytes_per_worker"]["total"] / ddp == pytest.approx(0.25, abs=0.01)
+
+
+def test_plan_without_fsdp_units_is_root_only(tmp_path: Path) -> None:
+    result = plan(train_config(wrap="root"), tmp_path)
+    assert [unit["name"] for unit in result["units"]] == [""]
+    assert result["world_size"] == 2  # the step's device_count
+
+
+def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
+    config = train_config(wrap="nested")
+    config["steps"]["train"]["model"]["modules_to_wrap"] = ["nope"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "tango_fairscale", "plan", str(tmp_path / "config.json"), "-i", "examples.toy.components"],
+        cwd=tmp_path, env=tango_env(), capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 2
+    assert "'nope' matches no submodule of ToyRegressor" in result.stderr
+
+
+@pytest.mark.slow
+def test_estimate_matches_a_real_two_worker_run(tmp_path: Path) -> None:
+    config = train_config(wrap="nested_ckpt", train_steps=4, checkpoint_every=4)
+    estimate = plan(config, tmp_path / "plan")
+    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    work_dir = train_work_dir(tmp_path / "ws")
+    for path in sorted(work_dir.glob("state_sizes_worker*.json")):
+        measured = json.loads(path.read_text())
+        measured_total = measured["param_bytes"] + measured["grad_bytes"] + measured["optimizer_bytes"]
+        estimated_total = estimate["bytes_per_worker"]["total"]
+        print(f"worker {measured['worker']}: measured {measured_total} B, estimated {estimated_total} B")
+        assert abs(estimated_total - measured_total) <= 0.10 * measured_total
