@@ -25,6 +25,7 @@ from tango.integrations.torch import (
 from . import checkpointing
 from .compat import fsdp_compute_device_is_cpu
 from .config import FSDPConfig
+from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
 from .registry import register_training_engine
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         this step has no checkpoint of its own. It may come from a run with a different number
         of workers: parameters and optimizer state are resharded on load. Model, optimizer,
         LR scheduler, grad scaler and the step count are restored.
+    :param init_on_meta:
+        Build the model with its parameters on the ``meta`` device (no memory) and allocate
+        each FSDP unit's parameters only right before sharding it, so that no worker ever holds
+        the whole model: the peak is the worker's shards plus the largest unit. Parameters are
+        initialised by each module's ``reset_parameters()`` and, for Hugging Face models, the
+        model's ``_init_weights``: the same on every worker, but not the same random draws as an
+        eager build. A parameter that neither initialiser covers is an error naming it.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         amp_use_bfloat16: Optional[bool] = None,
         fsdp_config: Optional[FSDPConfig] = None,
         resume_from_checkpoint: Optional[str] = None,
+        init_on_meta: bool = False,
     ) -> None:
         if not train_config.is_distributed:
             raise ConfigurationError(
@@ -92,6 +101,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 "or use the \"torch\" training engine for a single device."
             )
         self.fsdp_config = fsdp_config or FSDPConfig()
+        self.init_on_meta = init_on_meta
         if self.fsdp_config.mixed_precision and not amp:
             warnings.warn(
                 "fsdp_config.mixed_precision is true but the engine's 'amp' is false: parameters "
@@ -164,7 +174,14 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
         if isinstance(model, Lazy):
-            model = model.construct()
+            if self.init_on_meta:
+                with parameters_on_meta():
+                    model = model.construct()
+            else:
+                model = model.construct()
+        if has_meta_parameters(model):
+            # What with_wrapped_modules did not already allocate unit by unit: the root's own.
+            materialize_module(model, self.train_config.worker_local_default_device, root=model)
         if not any(True for _ in model.parameters()):
             raise ConfigurationError(
                 f"The model ({type(model).__name__}) has no parameters: there is nothing to shard or train."

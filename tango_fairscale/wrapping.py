@@ -11,13 +11,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
+from .compat import fsdp_compute_device_is_cpu
 from .config import FSDPConfig
+from .materialize import has_meta_parameters, materialize_module, real_parameters
 from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
@@ -182,6 +185,12 @@ def _outermost(names: Sequence[str]) -> List[str]:
     return [n for n in names if not any(n.startswith(other + ".") for other in names)]
 
 
+def _worker_device() -> torch.device:
+    if fsdp_compute_device_is_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child_name = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -260,15 +269,21 @@ def with_wrapped_modules(
     use_fsdp = fsdp_config is not None and dist.is_available() and dist.is_initialized()
     to_checkpoint = set(_outermost(selected)) if activation_checkpointing else set()
 
+    device = _worker_device()
     # Deepest first, so that a parent is wrapped after (and around) its wrapped children.
-    for name in selected:
-        module = model.get_submodule(name)
-        if name in to_checkpoint:
-            module = checkpoint_wrapper(module, offload_to_cpu=offload_activations)
-        if use_fsdp:
-            assert fsdp_config is not None
-            module = fsdp_config.wrap(module)
-        _replace_submodule(model, name, module)
+    # Parameters built on meta (the engine's init_on_meta) are allocated one unit at a time,
+    # right before the unit is sharded.
+    with real_parameters():
+        for name in selected:
+            module = model.get_submodule(name)
+            if use_fsdp and has_meta_parameters(module):
+                materialize_module(module, device, root=model)
+            if name in to_checkpoint:
+                module = checkpoint_wrapper(module, offload_to_cpu=offload_activations)
+            if use_fsdp:
+                assert fsdp_config is not None
+                module = fsdp_config.wrap(module)
+            _replace_submodule(model, name, module)
 
     logger.debug(
         "Wrapped %d submodule(s)%s%s",
