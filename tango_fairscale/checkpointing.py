@@ -327,7 +327,12 @@ def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Ten
 
     weights = [shard["weights"] for shard in shards]
     metadata = [shard["metadata"] for shard in shards]
-    full = FSDP.consolidate_shard_weights(weights, metadata)
+    full = FSDP.consolidate_shard_weights(weights, metadata, with_module_buffers=False)
+    # Buffers are replicated: worker 0's. FairScale's metadata also lists non-persistent
+    # buffers (e.g. GPT-2's causal mask), which are in no state dict: skip those.
+    for name in metadata[0]["buffer_names"]:
+        if name in weights[0]:
+            full[name] = weights[0][name]
     # FairScale restores tied (shared) parameters only for the last FSDP unit's metadata;
     # do it for every unit.
     for unit in metadata[0]["param_metadata"]:

@@ -1,0 +1,160 @@
+"""
+Tango components for the benchmarks: a GPT-2 built from a config, random token data, a
+measuring callback, and PyTorch-native FSDP2 as a peer training engine.
+"""
+
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from tango import Step
+from tango.common import Lazy
+from tango.common.dataset_dict import DatasetDict
+from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+@Model.register("benchmark::gpt2")
+class BenchmarkGPT2(Model):
+    """``GPT2LMHeadModel`` from config numbers (no dropout, so every engine sees the same math)."""
+
+    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int) -> None:
+        super().__init__()
+        config = GPT2Config(
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            vocab_size=vocab_size,
+            n_positions=n_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        self.gpt2 = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"loss": self.gpt2(input_ids=input_ids, labels=labels).loss}
+
+
+@Step.register("benchmark::random_tokens")
+class RandomTokens(Step):
+    """Random token sequences (language-model inputs and labels), generated from a seed."""
+
+    DETERMINISTIC = True
+    CACHEABLE = True
+
+    def run(self, vocab_size: int, sequence_length: int, count: int, seed: int = 0) -> DatasetDict:  # type: ignore[override]
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(vocab_size, (count, sequence_length), generator=generator)
+        return DatasetDict(splits={"train": [{"input_ids": t, "labels": t} for t in tokens]})
+
+
+def _state_bytes(engine: TrainingEngine) -> Dict[str, int]:
+    parameters = list(engine.model.parameters())
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        local = getattr(tensor, "_local_tensor", tensor)  # an FSDP2 DTensor: count this worker's shard
+        return local.numel() * local.element_size()
+
+    optimizer = sum(
+        nbytes(value)
+        for state in engine.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return {
+        "parameters": sum(nbytes(p) for p in parameters),
+        "gradients": sum(nbytes(p.grad) for p in parameters if p.grad is not None),
+        "optimizer_state": optimizer,
+    }
+
+
+@TrainCallback.register("benchmark::measure")
+class Measure(TrainCallback):
+    """
+    Per worker: model-state bytes (parameters, gradients, optimizer state held after a step),
+    peak resident set size, and the time of each training step; written to
+    ``benchmark_worker{N}.json`` in the work directory at the end.
+    """
+
+    def __init__(self, *args: Any, warmup_steps: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.warmup_steps = warmup_steps
+        self.step_times: List[float] = []
+        self.last_start: Optional[float] = None
+        self.state: Dict[str, int] = {}
+
+    def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        now = time.perf_counter()
+        if self.last_start is not None:
+            self.step_times.append(now - self.last_start)
+        self.last_start = now
+        if step > 0:  # after an optimizer step, all state exists
+            self.state = _state_bytes(self.training_engine)
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        measured = self.step_times[self.warmup_steps :] or self.step_times
+        record = {
+            "worker": self.train_config.worker_id,
+            "world_size": self.train_config.world_size,
+            "state_bytes": self.state,
+            "state_bytes_total": sum(self.state.values()),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "step_time_s": statistics.median(measured) if measured else None,
+            "step_times_s": self.step_times,
+            "parameters": sum(
+                getattr(p, "_local_tensor", p).numel() for p in self.training_engine.model.parameters()
+            ),
+        }
+        if torch.cuda.is_available() and self.train_config.device_type == "cuda":
+            record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        path = Path(self.train_config.work_dir) / f"benchmark_worker{self.train_config.worker_id}.json"
+        path.write_text(json.dumps(record))
+
+
+@TrainingEngine.register("benchmark::fsdp2")
+class FSDP2TrainingEngine(TorchTrainingEngine):
+    """
+    PyTorch-native FSDP2 (``torch.distributed.fsdp.fully_shard``) as a Tango engine, for the
+    benchmarks only: each module whose class is in ``wrap_module_classes`` is its own unit,
+    then the root. Checkpoints keep only the trainer state (benchmarks never resume).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        wrap_module_classes: Optional[List[str]] = None,
+        reshard_after_forward: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.wrap_module_classes = set(wrap_module_classes or [])
+        self.reshard_after_forward = reshard_after_forward
+        super().__init__(*args, **kwargs)
+
+    def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if isinstance(model, Lazy):
+            model = model.construct()
+        device = self.train_config.worker_local_default_device
+        model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for module in model.modules():
+            if type(module).__name__ in self.wrap_module_classes:
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        return model
+
+    def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(client_state, checkpoint_dir / f"worker{self.train_config.worker_id}_trainer.pt")
+        dist.barrier()
+
+    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        torch.save({}, weights_path)

@@ -1,0 +1,295 @@
+"""
+Memory and speed of Tango's DDP engine, this plugin's FSDP configurations and PyTorch-native
+FSDP2, trained side by side through real ``tango run`` commands on the same model and data.
+
+    python benchmarks/run.py [--quick] [--world-sizes 2,4] [--json PATH] [--markdown PATH] [--chart PATH]
+
+Per worker it records model-state bytes (parameters, gradients and optimizer state held after a
+step, counted tensor by tensor), peak resident memory, and the median step time after warm-up.
+Ratios to DDP at the same world size are the headline: absolute times depend on the machine.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+TANGO = str(Path(sys.executable).with_name("tango"))
+
+MODELS = {
+    # GPT-2 small: 124 M parameters.
+    "full": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 128},
+    # For CI: a few hundred thousand parameters.
+    "quick": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512, "n_positions": 32},
+}
+BLOCK = "GPT2Block"
+
+#: name -> (engine, engine options, wrapper options or None for the plain model)
+CONFIGS: Dict[str, Any] = {
+    "ddp": ("torch", {}, None),
+    "fsdp": ("fairscale", {"init_on_meta": True}, {"fsdp_config": {}}),
+    "fsdp_eager_init": ("fairscale", {}, {"fsdp_config": {}}),
+    "fsdp_no_reshard": (
+        "fairscale",
+        {"init_on_meta": True, "fsdp_config": {"reshard_after_forward": False}},
+        {"fsdp_config": {"reshard_after_forward": False}},
+    ),
+    "fsdp_ckpt": ("fairscale", {"init_on_meta": True}, {"fsdp_config": {}, "activation_checkpointing": True}),
+    "fsdp_offload": (
+        "fairscale",
+        {"init_on_meta": True, "fsdp_config": {"move_params_to_cpu": True}},
+        {"fsdp_config": {"move_params_to_cpu": True}},
+    ),
+    "fsdp2": ("benchmark::fsdp2", {"wrap_module_classes": [BLOCK]}, None),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def experiment(name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int) -> Dict[str, Any]:
+    engine_type, engine_options, wrapper = CONFIGS[name]
+    model_config: Dict[str, Any] = {"type": "benchmark::gpt2", **model}
+    if wrapper is not None:
+        model_config = {
+            "type": "fairscale::with_wrapped_modules",
+            "model": model_config,
+            "wrap_module_classes": [BLOCK],
+            **wrapper,
+        }
+    sampler = {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True} if world_size > 1 else None
+    loader: Dict[str, Any] = {"batch_size": batch_size}
+    if sampler:
+        loader["sampler"] = sampler
+    else:
+        loader["shuffle"] = True
+    return {
+        "steps": {
+            "data": {
+                "type": "benchmark::random_tokens",
+                "vocab_size": model["vocab_size"],
+                "sequence_length": model["n_positions"],
+                "count": batch_size * world_size * steps * 2,
+            },
+            "train": {
+                "type": "torch::train",
+                "model": model_config,
+                "training_engine": {"type": engine_type, "optimizer": {"type": "torch::AdamW", "lr": 1e-4}, **engine_options},
+                "dataset_dict": {"type": "ref", "ref": "data"},
+                "train_dataloader": loader,
+                "train_steps": steps,
+                "checkpoint_every": steps,
+                "log_every": steps,
+                "device_count": world_size,
+                "distributed_port": free_port(),
+                "callbacks": [{"type": "benchmark::measure", "warmup_steps": warmup}],
+            },
+        }
+    }
+
+
+def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path) -> Dict[str, Any]:
+    model = MODELS["quick" if args.quick else "full"]
+    run_dir = scratch / f"{name}-ws{world_size}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(
+        json.dumps(experiment(name, world_size, model, args.steps, args.warmup, args.batch_size))
+    )
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": str(threads),
+    }
+    command = [TANGO, "run", str(run_dir / "config.json"), "-w", str(run_dir / "ws"),
+               "-i", "tango_fairscale", "-i", "benchmarks.components"]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.monotonic() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} at world size {world_size} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    work_dir = next((run_dir / "ws").glob("cache/TorchTrainStep-*/work"))
+    workers = [json.loads(p.read_text()) for p in sorted(work_dir.glob("benchmark_worker*.json"))]
+    if len(workers) != world_size:
+        raise RuntimeError(f"{name} at world size {world_size}: {len(workers)} worker records")
+    return {
+        "config": name,
+        "world_size": world_size,
+        "threads_per_worker": threads,
+        # The worker that needs the most decides what fits, and the slowest sets the pace.
+        "state_bytes_per_worker": max(w["state_bytes_total"] for w in workers),
+        "peak_rss_bytes_per_worker": max(w["peak_rss_bytes"] for w in workers),
+        "step_time_s": max(w["step_time_s"] for w in workers),
+        "wall_time_s": wall,
+        "workers": workers,
+    }
+
+
+def add_ratios(records: List[Dict[str, Any]]) -> None:
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    for record in records:
+        ddp = by_key.get(("ddp", record["world_size"]))
+        fsdp2 = by_key.get(("fsdp2", record["world_size"]))
+        for key, short in (("state_bytes_per_worker", "state"), ("peak_rss_bytes_per_worker", "rss"), ("step_time_s", "time")):
+            if ddp:
+                record[f"{short}_vs_ddp"] = record[key] / ddp[key]
+            if fsdp2:
+                record[f"{short}_vs_fsdp2"] = record[key] / fsdp2[key]
+
+
+def environment() -> Dict[str, Any]:
+    import fairscale
+    import torch
+    import transformers
+    from tango.version import VERSION as tango_version
+
+    memory = None
+    if Path("/proc/meminfo").exists():
+        first = Path("/proc/meminfo").read_text().splitlines()[0]
+        memory = int(first.split()[1]) * 1024
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").exists():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {
+        "machine": f"{cpu}, {os.cpu_count()} cores, {memory / 2**30:.0f} GiB" if memory else cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fairscale": fairscale.__version__,
+        "ai2-tango": tango_version,
+        "transformers": transformers.__version__,
+    }
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.0f} MiB"
+
+
+def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {MODELS['quick' if args.quick else 'full']['n_positions']}, "
+        f"batch {args.batch_size} per worker, AdamW), trained through `tango run` on CPU workers (gloo), "
+        f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Every configuration "
+        "ran in the same session on the same machine; ratios are to DDP (Tango's `\"torch\"` engine) at "
+        "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`).",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {key} | {value} |" for key, value in env.items()],
+        "",
+        "Reproduce: `" + " ".join(["python", "benchmarks/run.py", *(["--quick"] if args.quick else []),
+                                   "--world-sizes", ",".join(map(str, args.world_sizes))]) + "`",
+        "",
+        "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP | step time | x DDP | x FSDP2 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        lines.append(
+            f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} | {r.get('state_vs_ddp', 1):.3f} "
+            f"| {mib(r['peak_rss_bytes_per_worker'])} | {r.get('rss_vs_ddp', 1):.3f} | {r['step_time_s']:.3f} s "
+            f"| {r.get('time_vs_ddp', 1):.3f} | {r.get('time_vs_fsdp2', float('nan')):.3f} |"
+        )
+    lines += ["", "![memory and step time per configuration](benchmarks.png)", ""]
+    return "\n".join(lines)
+
+
+def chart(records: List[Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world_sizes = sorted({r["world_size"] for r in records})
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(world_sizes)
+    metrics = [
+        ("state_bytes_per_worker", "model state per worker (MiB)", 2**20),
+        ("peak_rss_bytes_per_worker", "peak resident memory per worker (MiB)", 2**20),
+        ("step_time_s", "median step time (s)", 1),
+    ]
+    for axis, (key, title, scale) in zip(axes, metrics):
+        for index, world_size in enumerate(world_sizes):
+            values = [by_key[(c, world_size)][key] / scale if (c, world_size) in by_key else 0 for c in configs]
+            axis.bar([i + index * width for i in range(len(configs))], values, width, label=f"{world_size} worker(s)")
+        axis.set_xticks([i + width * (len(world_sizes) - 1) / 2 for i in range(len(configs))])
+        axis.set_xticklabels(configs, rotation=30, ha="right")
+        axis.set_title(title)
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (for CI)")
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    parser.add_argument("--json", type=Path, default=None, help="write the records here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table here (e.g. docs/benchmarks.md)")
+    parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
+    args = parser.parse_args(argv)
+    args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
+    args.steps = args.steps or (4 if args.quick else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+
+    plan = [("ddp", 1)] + [(c, ws) for ws in args.world_sizes for c in configs]
+    scratch = Path(tempfile.mkdtemp(prefix="tango-fairscale-bench-"))
+    records = []
+    try:
+        for index, (name, world_size) in enumerate(plan, 1):
+            print(f"[{index}/{len(plan)}] {name} on {world_size} worker(s) ...", end=" ", flush=True)
+            record = run_one(name, world_size, args, scratch)
+            records.append(record)
+            print(
+                f"state {mib(record['state_bytes_per_worker'])}, peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
+                f"step {record['step_time_s']:.3f} s ({record['wall_time_s']:.0f} s wall)",
+                flush=True,
+            )
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    add_ratios(records)
+    env = environment()
+    parameters = records[0]["workers"][0]["parameters"]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "parameters": parameters, "records": records}, indent=2))
+    text = markdown(records, env, args, parameters)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    if args.chart:
+        chart(records, args.chart)
+    print()
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
