@@ -93,7 +93,8 @@ def format_summary(stats: Sequence[WorkerStats]) -> str:
     def line(cells: Sequence[str]) -> str:
         # Text columns left-aligned, numbers right-aligned.
         return "  ".join(
-            cell.ljust(width) if i == 1 else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))
+            cell.ljust(width) if i == 1 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths))
         ).rstrip()
 
     rule = "  ".join("-" * width for width in widths)
@@ -171,7 +172,9 @@ class MemoryCallback(TrainCallback):
         self._step_samples = sum(_batch_size(micro_batch) for micro_batch in batch)
         self._step_started = time.perf_counter()
 
-    def post_batch(self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]) -> None:
+    def post_batch(
+        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
+    ) -> None:
         """Logs this worker's numbers every ``log_every`` steps."""
         if self.log_every and (step + 1) % self.log_every == 0:
             stats = self.stats()

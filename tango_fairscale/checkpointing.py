@@ -318,6 +318,27 @@ def consolidate_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
+def module_aliases(model: torch.nn.Module) -> List[Tuple[str, str]]:
+    """
+    ``(canonical, alias)`` paths of modules reachable under several names (e.g. T5's
+    ``shared`` embedding, which is also ``encoder.embed_tokens``). FairScale's shard metadata
+    names such a module's parameters once, under its first path; the plain model's state dict
+    has them under every path.
+    """
+    first_path: Dict[int, str] = {}
+    aliases: List[Tuple[str, str]] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        path = clean_parameter_name(path)
+        if id(module) not in first_path:
+            first_path[id(module)] = path
+        elif first_path[id(module)] != path and path:
+            canonical = first_path[id(module)]
+            # Submodules of an alias are reached again below it; only record the top of it.
+            if not any(path.startswith(alias + ".") for _, alias in aliases):
+                aliases.append((canonical, path))
+    return aliases
+
+
 def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """
     The full, unsharded state dict of the model, with the plain model's keys, from every
@@ -338,4 +359,8 @@ def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Ten
     for unit in metadata[0]["param_metadata"]:
         for source, destination in unit["shared_param_info"]:
             full[destination] = full[source]
+    for canonical, alias in shards[0].get("module_aliases", []):
+        prefix = f"{canonical}." if canonical else ""
+        for key in [k for k in full if k.startswith(prefix)]:
+            full[f"{alias}.{key[len(prefix):]}"] = full[key]
     return full

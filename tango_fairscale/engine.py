@@ -188,6 +188,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             )
         if not fsdp_compute_device_is_cpu() and not self.fsdp_config.move_params_to_cpu:
             model.to(self.train_config.worker_local_default_device)
+        self.module_aliases = checkpointing.module_aliases(model)
         return self.fsdp_config.wrap(model)  # type: ignore[return-value]
 
     def clip_grad_norm(self) -> None:
@@ -232,7 +233,11 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             (checkpoint_dir / checkpointing.MARKER).unlink(missing_ok=True)
         dist.barrier()
         states: Dict[str, Any] = {
-            "model": {**self.get_model_state(), "optimizer_keys": self._optimizer_keys()},
+            "model": {
+                **self.get_model_state(),
+                "optimizer_keys": self._optimizer_keys(),
+                "module_aliases": self.module_aliases,
+            },
             "optimizer": self.optimizer.state_dict(),
             "trainer": client_state,
         }

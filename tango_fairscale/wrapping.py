@@ -185,6 +185,25 @@ def _outermost(names: Sequence[str]) -> List[str]:
     return [n for n in names if not any(n.startswith(other + ".") for other in names)]
 
 
+def _disable_hf_kv_cache(model: nn.Module) -> None:
+    """
+    Hugging Face models keep a key/value cache object that each attention block appends to
+    during forward. A checkpointed block runs its forward again in backward and would append
+    to the same cache a second time, so the recomputed attention would see every key twice and
+    produce wrong gradients. Like Hugging Face's own gradient checkpointing, turn the cache off
+    (it is only useful for generation).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False  # type: ignore[union-attr]
+            logger.info(
+                "Activation checkpointing: set %s.config.use_cache = False (a recomputed block would "
+                "add to the key/value cache twice)",
+                type(module).__name__,
+            )
+
+
 def _worker_device() -> torch.device:
     if fsdp_compute_device_is_cpu():
         return torch.device("cpu")
@@ -234,7 +253,9 @@ def with_wrapped_modules(
         checkpointing only, and keeps the plain model's parameter names.
     :param activation_checkpointing:
         Recompute the wrapped submodules' activations in the backward pass instead of storing
-        them (FairScale's :func:`~fairscale.nn.checkpoint.checkpoint_wrapper`).
+        them (FairScale's :func:`~fairscale.nn.checkpoint.checkpoint_wrapper`). For Hugging
+        Face models this also sets ``config.use_cache = False``, as their own gradient
+        checkpointing does: a recomputed block would otherwise add to the key/value cache twice.
     :param wrap_module_classes:
         Also select every submodule whose class name is listed (e.g. ``["GPT2Block"]``),
         the transformer-layer policy.
@@ -268,6 +289,8 @@ def with_wrapped_modules(
     )
     use_fsdp = fsdp_config is not None and dist.is_available() and dist.is_initialized()
     to_checkpoint = set(_outermost(selected)) if activation_checkpointing else set()
+    if to_checkpoint:
+        _disable_hf_kv_cache(model)
 
     device = _worker_device()
     # Deepest first, so that a parent is wrapped after (and around) its wrapped children.

@@ -139,3 +139,28 @@ class FailOnWorker(TrainCallback):
     def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
         if step == self.step and self.train_config.worker_id == self.worker:
             raise RuntimeError(f"deliberate failure on worker {self.worker} at step {step}")
+
+
+@Model.register("test::t5")
+class TinyT5(Model):
+    """A T5 encoder-decoder built from config numbers, trained to reproduce its input."""
+
+    def __init__(self, vocab_size: int = 64, d_model: int = 32, num_layers: int = 2, num_heads: int = 2) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_kv=d_model // num_heads,
+            d_ff=2 * d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        self.t5 = T5ForConditionalGeneration(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"loss": self.t5(input_ids=input_ids, labels=labels).loss}
