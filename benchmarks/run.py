@@ -15,7 +15,6 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +59,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def experiment(name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int) -> Dict[str, Any]:
+def experiment(
+    name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int
+) -> Dict[str, Any]:
     engine_type, engine_options, wrapper = CONFIGS[name]
     model_config: Dict[str, Any] = {"type": "benchmark::gpt2", **model}
     if wrapper is not None:
@@ -70,7 +71,9 @@ def experiment(name: str, world_size: int, model: Dict[str, Any], steps: int, wa
             "wrap_module_classes": [BLOCK],
             **wrapper,
         }
-    sampler = {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True} if world_size > 1 else None
+    sampler = (
+        {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True} if world_size > 1 else None
+    )
     loader: Dict[str, Any] = {"batch_size": batch_size}
     if sampler:
         loader["sampler"] = sampler
@@ -87,7 +90,11 @@ def experiment(name: str, world_size: int, model: Dict[str, Any], steps: int, wa
             "train": {
                 "type": "torch::train",
                 "model": model_config,
-                "training_engine": {"type": engine_type, "optimizer": {"type": "torch::AdamW", "lr": 1e-4}, **engine_options},
+                "training_engine": {
+                    "type": engine_type,
+                    "optimizer": {"type": "torch::AdamW", "lr": 1e-4},
+                    **engine_options,
+                },
                 "dataset_dict": {"type": "ref", "ref": "data"},
                 "train_dataloader": loader,
                 "train_steps": steps,
@@ -114,13 +121,26 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": str(threads),
     }
-    command = [TANGO, "run", str(run_dir / "config.json"), "-w", str(run_dir / "ws"),
-               "-i", "tango_fairscale", "-i", "benchmarks.components"]
+    command = [
+        TANGO,
+        "run",
+        str(run_dir / "config.json"),
+        "-w",
+        str(run_dir / "ws"),
+        "-i",
+        "tango_fairscale",
+        "-i",
+        "benchmarks.components",
+    ]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.timeout)
+    result = subprocess.run(
+        command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.timeout
+    )
     wall = time.monotonic() - start
     if result.returncode != 0:
-        raise RuntimeError(f"{name} at world size {world_size} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{name} at world size {world_size} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
     work_dir = next((run_dir / "ws").glob("cache/TorchTrainStep-*/work"))
     workers = [json.loads(p.read_text()) for p in sorted(work_dir.glob("benchmark_worker*.json"))]
     if len(workers) != world_size:
@@ -143,7 +163,11 @@ def add_ratios(records: List[Dict[str, Any]]) -> None:
     for record in records:
         ddp = by_key.get(("ddp", record["world_size"]))
         fsdp2 = by_key.get(("fsdp2", record["world_size"]))
-        for key, short in (("state_bytes_per_worker", "state"), ("peak_rss_bytes_per_worker", "rss"), ("step_time_s", "time")):
+        for key, short in (
+            ("state_bytes_per_worker", "state"),
+            ("peak_rss_bytes_per_worker", "rss"),
+            ("step_time_s", "time"),
+        ):
             if ddp:
                 record[f"{short}_vs_ddp"] = record[key] / ddp[key]
             if fsdp2:
@@ -162,7 +186,11 @@ def environment() -> Dict[str, Any]:
         memory = int(first.split()[1]) * 1024
     cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").exists():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     return {
         "machine": f"{cpu}, {os.cpu_count()} cores, {memory / 2**30:.0f} GiB" if memory else cpu,
@@ -178,30 +206,44 @@ def mib(value: float) -> str:
     return f"{value / 2**20:,.0f} MiB"
 
 
-def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int) -> str:
+def markdown(
+    records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int
+) -> str:
+    sequence_length = MODELS["quick" if args.quick else "full"]["n_positions"]
     lines = [
         "# Benchmarks",
         "",
-        f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {MODELS['quick' if args.quick else 'full']['n_positions']}, "
+        f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {sequence_length}, "
         f"batch {args.batch_size} per worker, AdamW), trained through `tango run` on CPU workers (gloo), "
         f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Every configuration "
-        "ran in the same session on the same machine; ratios are to DDP (Tango's `\"torch\"` engine) at "
+        'ran in the same session on the same machine; ratios are to DDP (Tango\'s `"torch"` engine) at '
         "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`).",
         "",
         "| | |",
         "|---|---|",
         *[f"| {key} | {value} |" for key, value in env.items()],
         "",
-        "Reproduce: `" + " ".join(["python", "benchmarks/run.py", *(["--quick"] if args.quick else []),
-                                   "--world-sizes", ",".join(map(str, args.world_sizes))]) + "`",
+        "Reproduce: `"
+        + " ".join(
+            [
+                "python",
+                "benchmarks/run.py",
+                *(["--quick"] if args.quick else []),
+                "--world-sizes",
+                ",".join(map(str, args.world_sizes)),
+            ]
+        )
+        + "`",
         "",
-        "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP | step time | x DDP | x FSDP2 |",
+        "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP "
+        "| step time | x DDP | x FSDP2 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         lines.append(
-            f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} | {r.get('state_vs_ddp', 1):.3f} "
-            f"| {mib(r['peak_rss_bytes_per_worker'])} | {r.get('rss_vs_ddp', 1):.3f} | {r['step_time_s']:.3f} s "
+            f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} "
+            f"| {r.get('state_vs_ddp', 1):.3f} | {mib(r['peak_rss_bytes_per_worker'])} "
+            f"| {r.get('rss_vs_ddp', 1):.3f} | {r['step_time_s']:.3f} s "
             f"| {r.get('time_vs_ddp', 1):.3f} | {r.get('time_vs_fsdp2', float('nan')):.3f} |"
         )
     lines += ["", "![memory and step time per configuration](benchmarks.png)", ""]
@@ -226,8 +268,15 @@ def chart(records: List[Dict[str, Any]], path: Path) -> None:
     ]
     for axis, (key, title, scale) in zip(axes, metrics):
         for index, world_size in enumerate(world_sizes):
-            values = [by_key[(c, world_size)][key] / scale if (c, world_size) in by_key else 0 for c in configs]
-            axis.bar([i + index * width for i in range(len(configs))], values, width, label=f"{world_size} worker(s)")
+            values = [
+                by_key[(c, world_size)][key] / scale if (c, world_size) in by_key else 0 for c in configs
+            ]
+            axis.bar(
+                [i + index * width for i in range(len(configs))],
+                values,
+                width,
+                label=f"{world_size} worker(s)",
+            )
         axis.set_xticks([i + width * (len(world_sizes) - 1) / 2 for i in range(len(configs))])
         axis.set_xticklabels(configs, rotation=30, ha="right")
         axis.set_title(title)
@@ -239,14 +288,20 @@ def chart(records: List[Dict[str, Any]], path: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (for CI)")
-    parser.add_argument("--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    parser.add_argument(
+        "--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline"
+    )
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS)
+    )
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     parser.add_argument("--json", type=Path, default=None, help="write the records here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here (e.g. docs/benchmarks.md)")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="write the table here (e.g. docs/benchmarks.md)"
+    )
     parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
     parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
     args = parser.parse_args(argv)
@@ -267,7 +322,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             record = run_one(name, world_size, args, scratch)
             records.append(record)
             print(
-                f"state {mib(record['state_bytes_per_worker'])}, peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
+                f"state {mib(record['state_bytes_per_worker'])}, "
+                f"peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
                 f"step {record['step_time_s']:.3f} s ({record['wall_time_s']:.0f} s wall)",
                 flush=True,
             )
@@ -279,7 +335,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parameters = records[0]["workers"][0]["parameters"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "parameters": parameters, "records": records}, indent=2))
+        args.json.write_text(
+            json.dumps({"environment": env, "parameters": parameters, "records": records}, indent=2)
+        )
     text = markdown(records, env, args, parameters)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

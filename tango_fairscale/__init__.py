@@ -11,9 +11,9 @@ Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fai
 under ``include_package`` in ``tango.yml``.
 """
 
+from . import checkpointing
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
-from . import checkpointing
 from .errors import CheckpointError
 from .preflight import install as _install_preflight
 from .version import VERSION as __version__
@@ -26,6 +26,7 @@ __all__ = [
     "FSDPConfig",
     "FairScaleTrainingEngine",
     "__version__",
+    "checkpointing",
     "plan_wrapping",
     "with_wrapped_modules",
 ]

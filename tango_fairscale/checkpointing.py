@@ -312,7 +312,10 @@ def consolidate_optimizer_state(
                 for param_name in _original_names(key, metadata):
                     state.setdefault(param_name, {})[name] = value
     groups = [
-        {**group, "params": [name for index in group["params"] for name in _original_names(keys[index], metadata)]}
+        {
+            **group,
+            "params": [name for index in group["params"] for name in _original_names(keys[index], metadata)],
+        }
         for group in optimizer_shards[0]["param_groups"]
     ]
     return {"state": state, "param_groups": groups}
@@ -362,5 +365,5 @@ def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Ten
     for canonical, alias in shards[0].get("module_aliases", []):
         prefix = f"{canonical}." if canonical else ""
         for key in [k for k in full if k.startswith(prefix)]:
-            full[f"{alias}.{key[len(prefix):]}"] = full[key]
+            full[f"{alias}.{key[len(prefix) :]}"] = full[key]
     return full

@@ -12,14 +12,12 @@ Commands:
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
-import torch
+from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
 
 from . import checkpointing
-from tango.common.exceptions import ConfigurationError
-
 from .errors import CheckpointError
 
 
@@ -39,12 +37,17 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     with tqdm(total=world_size * len(kinds), desc="Reading shards", unit="file") as progress:
         for kind in kinds:
             for worker in range(world_size):
-                loaded[kind].append(checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, worker, kind)))
+                loaded[kind].append(
+                    checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, worker, kind))
+                )
                 progress.update()
     model = checkpointing.consolidate_model_state(loaded["model"])
-    result = model
+    result: Dict[str, Any] = dict(model)
     if with_optimizer:
-        result = {"model": model, "optimizer": checkpointing.consolidate_optimizer_state(loaded["model"], loaded["optimizer"])}
+        result = {
+            "model": model,
+            "optimizer": checkpointing.consolidate_optimizer_state(loaded["model"], loaded["optimizer"]),
+        }
     output.parent.mkdir(parents=True, exist_ok=True)
     checkpointing.atomic_save(result, output)
     numel = sum(t.numel() for t in model.values())
@@ -54,7 +57,9 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     )
 
 
-def _load_step(config: Path, step_name: Optional[str], includes: List[str], ext_vars: List[str]) -> "tuple[str, dict]":
+def _load_step(
+    config: Path, step_name: Optional[str], includes: List[str], ext_vars: List[str]
+) -> "tuple[str, dict]":
     from tango.common import Params
     from tango.common.exceptions import ConfigurationError
     from tango.common.util import import_extra_module
@@ -75,19 +80,31 @@ def _load_step(config: Path, step_name: Optional[str], includes: List[str], ext_
     for package in packages:
         import_extra_module(package)
     steps = params.get("steps", {})
-    train_steps = {name: step for name, step in steps.items() if isinstance(step, dict) and step.get("type") == "torch::train"}
+    train_steps = {
+        name: step
+        for name, step in steps.items()
+        if isinstance(step, dict) and step.get("type") == "torch::train"
+    }
     if step_name is not None:
         if step_name not in steps:
             raise ConfigurationError(f"No step {step_name!r} in {config}; its steps: {sorted(steps)}")
         return step_name, steps[step_name]
     if len(train_steps) != 1:
         raise ConfigurationError(
-            f"{config} has {len(train_steps)} torch::train steps ({sorted(train_steps)}): choose one with --step."
+            f"{config} has {len(train_steps)} torch::train steps ({sorted(train_steps)}): "
+            "choose one with --step."
         )
     return next(iter(train_steps.items()))
 
 
-def plan_command(config: Path, step_name: Optional[str], world_size: Optional[int], includes: List[str], ext_vars: List[str], json_path: Optional[Path]) -> None:
+def plan_command(
+    config: Path,
+    step_name: Optional[str],
+    world_size: Optional[int],
+    includes: List[str],
+    ext_vars: List[str],
+    json_path: Optional[Path],
+) -> None:
     """Print the wrap plan of a training step (and write it as JSON with ``json_path``)."""
     import json
 
@@ -112,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn a sharded checkpoint (or a step's work directory: its latest checkpoint) "
         "into one full state dict that loads into the plain model. Needs no process group and no GPU.",
     )
-    consolidate_parser.add_argument("checkpoint_dir", type=Path, help="checkpoint_state_step<N> directory or work dir")
+    consolidate_parser.add_argument(
+        "checkpoint_dir", type=Path, help="checkpoint_state_step<N> directory or work dir"
+    )
     consolidate_parser.add_argument("output", type=Path, help="the .pt file to write")
     consolidate_parser.add_argument(
         "--optimizer",
@@ -130,12 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan_parser.add_argument("config", type=Path, help="the Tango experiment config (.jsonnet or .json)")
     plan_parser.add_argument("--step", help="the step to plan (default: the config's only torch::train step)")
-    plan_parser.add_argument("--world-size", type=int, help="number of workers (default: the step's device_count)")
+    plan_parser.add_argument(
+        "--world-size", type=int, help="number of workers (default: the step's device_count)"
+    )
     plan_parser.add_argument(
         "-i", "--include-package", action="append", default=[], help="a module to import (repeatable)"
     )
-    plan_parser.add_argument("--ext-var", action="append", default=[], help="a jsonnet external variable KEY=VALUE")
-    plan_parser.add_argument("--json", type=Path, dest="json_path", help="also write the plan as JSON to this file")
+    plan_parser.add_argument(
+        "--ext-var", action="append", default=[], help="a jsonnet external variable KEY=VALUE"
+    )
+    plan_parser.add_argument(
+        "--json", type=Path, dest="json_path", help="also write the plan as JSON to this file"
+    )
     return parser
 
 
@@ -145,7 +170,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "consolidate":
             consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer)
         elif args.command == "plan":
-            plan_command(args.config, args.step, args.world_size, args.include_package, args.ext_var, args.json_path)
+            plan_command(
+                args.config, args.step, args.world_size, args.include_package, args.ext_var, args.json_path
+            )
     except (CheckpointError, ConfigurationError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

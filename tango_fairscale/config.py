@@ -190,7 +190,7 @@ class FSDPConfig(FromParams):
                 except (RuntimeError, TypeError) as error:
                     raise ConfigurationError(
                         f"FSDPConfig.{name}: {value!r} is not a device ({error}). "
-                        "Use e.g. \"cpu\" or \"cuda\", or leave it unset."
+                        'Use e.g. "cpu" or "cuda", or leave it unset.'
                     ) from None
         if self.move_params_to_cpu and self.move_grads_to_cpu is False:
             raise ConfigurationError(
@@ -209,8 +209,7 @@ class FSDPConfig(FromParams):
             )
         if self.gradient_predivide_factor is not None and self.gradient_predivide_factor <= 0:
             raise ConfigurationError(
-                "FSDPConfig.gradient_predivide_factor: must be > 0, "
-                f"got {self.gradient_predivide_factor}."
+                f"FSDPConfig.gradient_predivide_factor: must be > 0, got {self.gradient_predivide_factor}."
             )
 
     def _check_types(self) -> None:

@@ -98,7 +98,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             raise ConfigurationError(
                 f"{type(self).__name__} shards the model across workers, so it needs distributed "
                 "training: set 'device_count' to 2 or more in the torch::train step (it is 1), "
-                "or use the \"torch\" training engine for a single device."
+                'or use the "torch" training engine for a single device.'
             )
         self.fsdp_config = fsdp_config or FSDPConfig()
         self.init_on_meta = init_on_meta
@@ -164,7 +164,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 raise
             raise ConfigurationError(
                 "The model's forward() returned no 'loss': torch::train needs forward() to return "
-                "a dict with the training loss under \"loss\" (a scalar tensor)."
+                'a dict with the training loss under "loss" (a scalar tensor).'
             ) from None
 
     @property
@@ -295,7 +295,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             )
             model_shards = [load("model", w) for w in range(saved_world_size)]
             optimizer_shards = [load("optimizer", w) for w in range(saved_world_size)]
-            fsdp.load_local_state_dict(checkpointing.reshard_model_weights(model_shards, local_weights, worker))
+            fsdp.load_local_state_dict(
+                checkpointing.reshard_model_weights(model_shards, local_weights, worker)
+            )
             self.optimizer.load_state_dict(
                 checkpointing.reshard_optimizer_state(
                     model_shards, optimizer_shards, local_weights, self._optimizer_keys(), worker

@@ -147,7 +147,9 @@ def render(plan: Plan) -> str:
     lines += ["", f"{'model state per worker':<24} {'this config':>14} {'DDP':>14} {'ratio':>8}"]
     for key in ("parameters", "gradients", "optimizer_state"):
         ratio = fsdp[key] / ddp[key] if ddp[key] else 0.0
-        lines.append(f"{key.replace('_', ' '):<24} {_human(fsdp[key]):>14} {_human(ddp[key]):>14} {ratio:>8.3f}")
+        lines.append(
+            f"{key.replace('_', ' '):<24} {_human(fsdp[key]):>14} {_human(ddp[key]):>14} {ratio:>8.3f}"
+        )
     total, ddp_total = sum(fsdp.values()), sum(ddp.values())
     lines.append(f"{'total':<24} {_human(total):>14} {_human(ddp_total):>14} {total / ddp_total:>8.3f}")
     largest = plan.largest_unit
@@ -254,6 +256,8 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
         states_per_parameter=_states_per_parameter(optimizer),
         root=units[""],
         element_size=element_size,
-        compute_element_size=torch.empty((), dtype=compute_dtype).element_size() if compute_dtype else element_size,
+        compute_element_size=torch.empty((), dtype=compute_dtype).element_size()
+        if compute_dtype
+        else element_size,
         built_on=built_on,
     )

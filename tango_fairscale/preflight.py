@@ -18,11 +18,11 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from torch.utils.data import DistributedSampler, IterableDataset
 from tango.common import Lazy, Params
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model, Sampler, TrainingEngine
 from tango.integrations.torch.train import TorchTrainStep
+from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
 from .config import FSDPConfig
@@ -57,9 +57,9 @@ def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConf
     """Validate the engine's options; return its FSDP config (if given)."""
     if device_count < 2:
         raise ConfigurationError(
-            "The \"fairscale\" training engine shards the model across workers, so it needs "
+            'The "fairscale" training engine shards the model across workers, so it needs '
             f"distributed training: set 'device_count' to 2 or more in the torch::train step (it is "
-            f"{device_count}), or use the \"torch\" engine for a single device."
+            f'{device_count}), or use the "torch" engine for a single device.'
         )
     fsdp_config = None
     if engine.get("fsdp_config") is not None:
@@ -73,7 +73,9 @@ def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConf
                 stacklevel=2,
             )
     max_grad_norm = engine.get("max_grad_norm")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0
+    ):
         raise ConfigurationError(
             f"training_engine.max_grad_norm: must be a positive number, got {max_grad_norm!r}."
         )
@@ -172,7 +174,11 @@ def preflight(
     check_sampler(_params_of(train_dataloader), dataset_dict[train_split], "train_dataloader")
     if validation_split is not None:
         loader = validation_dataloader if validation_dataloader is not None else train_dataloader
-        name = "validation_dataloader" if validation_dataloader is not None else "train_dataloader (used for validation)"
+        name = (
+            "validation_dataloader"
+            if validation_dataloader is not None
+            else "train_dataloader (used for validation)"
+        )
         check_sampler(_params_of(loader), dataset_dict[validation_split], name)
     check_model(model, fsdp_config)
 
@@ -184,7 +190,14 @@ def install() -> None:
         return
 
     @functools.wraps(original)
-    def _train(self: TorchTrainStep, model: Any, training_engine: Any, dataset_dict: Any, train_dataloader: Any, **kwargs: Any) -> Model:
+    def _train(
+        self: TorchTrainStep,
+        model: Any,
+        training_engine: Any,
+        dataset_dict: Any,
+        train_dataloader: Any,
+        **kwargs: Any,
+    ) -> Model:
         if _is_fairscale_engine(training_engine):
             preflight(
                 model=model,

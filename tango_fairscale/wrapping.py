@@ -25,6 +25,7 @@ from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
 
+
 def silence_false_gradients_warning() -> None:
     """
     FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
@@ -112,7 +113,7 @@ def plan_wrapping(
             raise ConfigurationError(
                 f"with_wrapped_modules.modules_to_wrap: {pattern!r} matches the root module "
                 "(its name is the empty string). The training engine wraps the root itself; "
-                "match submodules only, e.g. r\"layers\\.[0-9]+\"."
+                'match submodules only, e.g. r"layers\\.[0-9]+".'
             )
         hits = [name for name in names if regex.fullmatch(name)]
         if not hits:

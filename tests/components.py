@@ -42,7 +42,9 @@ class RecordStateSizes(TrainCallback):
             "param_numel": sum(p.numel() for p in parameters),
             "optimizer_numel": optimizer_numel,
             "param_bytes": sum(p.numel() * p.element_size() for p in parameters),
-            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
+            "grad_bytes": sum(
+                p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None
+            ),
             "optimizer_bytes": optimizer_bytes,
         }
         path = self.train_config.work_dir / f"state_sizes_worker{self.train_config.worker_id}.json"
@@ -79,7 +81,9 @@ class SaveAfterLoad(TrainCallback):
     """Saves the engine's state to ``after_load/`` right before training starts (after any resume)."""
 
     def pre_train_loop(self) -> None:
-        self.training_engine.save_checkpoint(self.train_config.work_dir / "after_load", {"training_steps": -1})
+        self.training_engine.save_checkpoint(
+            self.train_config.work_dir / "after_load", {"training_steps": -1}
+        )
 
 
 @TrainingEngine.register("test::fairscale_crash_in_save")
@@ -145,7 +149,9 @@ class FailOnWorker(TrainCallback):
 class TinyT5(Model):
     """A T5 encoder-decoder built from config numbers, trained to reproduce its input."""
 
-    def __init__(self, vocab_size: int = 64, d_model: int = 32, num_layers: int = 2, num_heads: int = 2) -> None:
+    def __init__(
+        self, vocab_size: int = 64, d_model: int = 32, num_layers: int = 2, num_heads: int = 2
+    ) -> None:
         super().__init__()
         from transformers import T5Config, T5ForConditionalGeneration
 

@@ -82,7 +82,12 @@ def train_config(
         }
     return {
         "steps": {
-            "data": {"type": "toy::regression_data", "in_features": 8, "train_size": 256, "validation_size": 64},
+            "data": {
+                "type": "toy::regression_data",
+                "in_features": 8,
+                "train_size": 256,
+                "validation_size": 64,
+            },
             "train": train,
         }
     }
@@ -94,7 +99,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tango_command(config: Dict[str, Any], workspace: Path, cwd: Path, includes: Optional[List[str]] = None) -> List[str]:
+def tango_command(
+    config: Dict[str, Any], workspace: Path, cwd: Path, includes: Optional[List[str]] = None
+) -> List[str]:
     """
     Write ``config`` to ``cwd/config.json`` and return the ``tango run`` command for it. Each
     training step gets a free port (Tango's default one would clash between concurrent runs);

@@ -16,10 +16,17 @@ pytestmark = pytest.mark.slow
 def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     result = subprocess.run(
         [
-            sys.executable, "benchmarks/run.py", "--quick", "--world-sizes", "2",
-            "--json", str(tmp_path / "results.json"),
-            "--markdown", str(tmp_path / "benchmarks.md"),
-            "--chart", str(tmp_path / "benchmarks.png"),
+            sys.executable,
+            "benchmarks/run.py",
+            "--quick",
+            "--world-sizes",
+            "2",
+            "--json",
+            str(tmp_path / "results.json"),
+            "--markdown",
+            str(tmp_path / "benchmarks.md"),
+            "--chart",
+            str(tmp_path / "benchmarks.png"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -37,8 +44,12 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         assert record["step_time_s"] > 0
         assert len(record["workers"]) == record["world_size"]
     # Sharding shows up in the exact tensor accounting (no timing assertions).
-    assert records[("fsdp", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
-    assert records[("fsdp2", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
+    assert (
+        records[("fsdp", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
+    )
+    assert (
+        records[("fsdp2", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
+    )
     table = (tmp_path / "benchmarks.md").read_text()
     for name in CONFIGS:
         assert f"| `{name}` | 2 |" in table

@@ -41,10 +41,17 @@ def test_bundled_fields_keep_names_and_meaning() -> None:
 
 @pytest.mark.parametrize(
     "text, dtype",
-    [("float16", torch.float16), ("fp16", torch.float16), ("bf16", torch.bfloat16), ("torch.float32", torch.float32)],
+    [
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+        ("bf16", torch.bfloat16),
+        ("torch.float32", torch.float32),
+    ],
 )
 def test_dtype_strings(text: str, dtype: torch.dtype) -> None:
-    config = FSDPConfig.from_params(Params({"compute_dtype": text, "buffer_dtype": text, "mixed_precision": True}))
+    config = FSDPConfig.from_params(
+        Params({"compute_dtype": text, "buffer_dtype": text, "mixed_precision": True})
+    )
     assert config.as_kwargs()["compute_dtype"] == dtype
     assert config.as_kwargs()["buffer_dtype"] == dtype
 
@@ -52,12 +59,18 @@ def test_dtype_strings(text: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "params, fragment",
     [
-        ({"reshard_after_forwards": True}, "Unknown FSDPConfig option(s) ['reshard_after_forwards']. Valid options: reshard_after_forward,"),
+        (
+            {"reshard_after_forwards": True},
+            "Unknown FSDPConfig option(s) ['reshard_after_forwards']. Valid options: reshard_after_forward,",
+        ),
         ({"compute_dtype": "float17"}, "FSDPConfig.compute_dtype: 'float17' is not a dtype"),
         ({"mixed_precision": "yes"}, "FSDPConfig.mixed_precision: expected bool, got str 'yes'"),
         ({"bucket_cap_mb": 2.5}, "FSDPConfig.bucket_cap_mb: expected int, got float 2.5"),
         ({"move_params_to_cpu": True, "move_grads_to_cpu": False}, "fairscale#918"),
-        ({"fp32_reduce_scatter": True}, "FSDPConfig.fp32_reduce_scatter: true requires mixed_precision: true"),
+        (
+            {"fp32_reduce_scatter": True},
+            "FSDPConfig.fp32_reduce_scatter: true requires mixed_precision: true",
+        ),
         ({"state_dict_device": "gpu"}, "FSDPConfig.state_dict_device: 'gpu' is not a device"),
         ({"bucket_cap_mb": -1}, "FSDPConfig.bucket_cap_mb: must be >= 0"),
     ],

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
-import torch
 from tango.integrations.torch.util import set_seed_all
 from tango.workspaces import LocalWorkspace
 

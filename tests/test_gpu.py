@@ -111,5 +111,7 @@ def test_cpu_offload_checkpoint_and_consolidate(train_config: TrainConfig) -> No
     assert losses[-1] < losses[0]
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     engine.save_checkpoint(train_config.work_dir / "ckpt", {"training_steps": 10})
-    full = checkpointing.consolidate_model_state(checkpointing.load_model_shards(train_config.work_dir / "ckpt"))
+    full = checkpointing.consolidate_model_state(
+        checkpointing.load_model_shards(train_config.work_dir / "ckpt")
+    )
     ToyRegressor(in_features=8, width=64, num_blocks=4).load_state_dict(full, strict=True)

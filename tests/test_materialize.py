@@ -87,7 +87,9 @@ def test_init_on_meta_trains_through_the_cli(tmp_path) -> None:  # type: ignore[
         callbacks=[{"type": "test::record_losses"}],
     )
     run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    ToyRegressor(in_features=8, width=32, num_blocks=4).load_state_dict(load_weights(tmp_path / "ws"), strict=True)
+    ToyRegressor(in_features=8, width=32, num_blocks=4).load_state_dict(
+        load_weights(tmp_path / "ws"), strict=True
+    )
     losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
     steps = sorted(losses, key=int)
     assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])

@@ -16,8 +16,18 @@ def plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> Dict[str, Any]:
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
     result = subprocess.run(
-        [sys.executable, "-m", "tango_fairscale", "plan", str(config_path), "--json", str(tmp_path / "plan.json"),
-         "-i", "examples.toy.components", *extra],
+        [
+            sys.executable,
+            "-m",
+            "tango_fairscale",
+            "plan",
+            str(config_path),
+            "--json",
+            str(tmp_path / "plan.json"),
+            "-i",
+            "examples.toy.components",
+            *extra,
+        ],
         cwd=tmp_path,
         env=tango_env(),
         capture_output=True,
@@ -57,8 +67,20 @@ def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
     config["steps"]["train"]["model"]["modules_to_wrap"] = ["nope"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = subprocess.run(
-        [sys.executable, "-m", "tango_fairscale", "plan", str(tmp_path / "config.json"), "-i", "examples.toy.components"],
-        cwd=tmp_path, env=tango_env(), capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "tango_fairscale",
+            "plan",
+            str(tmp_path / "config.json"),
+            "-i",
+            "examples.toy.components",
+        ],
+        cwd=tmp_path,
+        env=tango_env(),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 2
     assert "'nope' matches no submodule of ToyRegressor" in result.stderr

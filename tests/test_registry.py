@@ -50,6 +50,8 @@ try:
 except RegistryKeyError as error:
     print("REGISTRY:", error)
 """
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert "REGISTRY: 'torch::Adamm' is not a registered name for 'Optimizer'" in result.stdout

@@ -21,7 +21,9 @@ GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96, "n_positions"
 INCLUDE = INCLUDES + ["benchmarks.components"]
 
 
-def lm_config(model: Dict[str, Any], engine: str, wrap_classes: Any, checkpointing: bool = False) -> Dict[str, Any]:
+def lm_config(
+    model: Dict[str, Any], engine: str, wrap_classes: Any, checkpointing: bool = False
+) -> Dict[str, Any]:
     if wrap_classes:
         model = {
             "type": "fairscale::with_wrapped_modules",
@@ -32,7 +34,12 @@ def lm_config(model: Dict[str, Any], engine: str, wrap_classes: Any, checkpointi
         }
     return {
         "steps": {
-            "data": {"type": "benchmark::random_tokens", "vocab_size": 96, "sequence_length": 16, "count": 128},
+            "data": {
+                "type": "benchmark::random_tokens",
+                "vocab_size": 96,
+                "sequence_length": 16,
+                "count": 128,
+            },
             "train": {
                 "type": "torch::train",
                 "model": model,
@@ -79,7 +86,12 @@ def test_t5_class_auto_wrap_trains(tmp_path: Path) -> None:
     import json
 
     model = {"type": "test::t5", "vocab_size": 96}
-    run_tango(lm_config(model, "fairscale", ["T5Block"], checkpointing=True), tmp_path / "ws", cwd=tmp_path / "c", includes=INCLUDE)
+    run_tango(
+        lm_config(model, "fairscale", ["T5Block"], checkpointing=True),
+        tmp_path / "ws",
+        cwd=tmp_path / "c",
+        includes=INCLUDE,
+    )
     weights = load_weights(tmp_path / "ws")
     plain = TinyT5(vocab_size=96)
     plain.load_state_dict(weights, strict=True)

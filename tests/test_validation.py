@@ -50,39 +50,110 @@ def model_type(name: str) -> Callable[[Config], None]:
 
 # (case, change to a valid nested-FSDP config, exception or warning, message fragment, found in main process?)
 CASES = [
-    ("invalid regex", wrapper(modules_to_wrap=["blocks\\.[0-9"]), "ConfigurationError",
-     "'blocks\\\\.[0-9' is not a valid regular expression", True),
-    ("pattern matching nothing", wrapper(modules_to_wrap=["block\\.[0-9]+"]), "ConfigurationError",
-     "'block\\\\.[0-9]+' matches no submodule of ToyRegressor", True),
-    ("pattern matching the root", wrapper(modules_to_wrap=[".*"]), "ConfigurationError",
-     "'.*' matches the root module", True),
-    ("device_count 1", set_train(device_count=1), "ConfigurationError",
-     "set 'device_count' to 2 or more in the torch::train step (it is 1)", True),
-    ("move_params_to_cpu without move_grads_to_cpu", engine(fsdp_config={"move_params_to_cpu": True, "move_grads_to_cpu": False}),
-     "ConfigurationError", "fairscale#918", True),
-    ("unknown fsdp_config key", engine(fsdp_config={"reshard_after_forwards": False}), "ConfigurationError",
-     "Unknown FSDPConfig option(s) ['reshard_after_forwards']. Valid options: reshard_after_forward,", True),
-    ("wrong value type", engine(fsdp_config={"flatten_parameters": "yes"}), "ConfigurationError",
-     "FSDPConfig.flatten_parameters: expected bool, got str 'yes'", True),
-    ("dtype that is not a dtype", engine(fsdp_config={"mixed_precision": True, "compute_dtype": "float12"}, amp=True),
-     "ConfigurationError", "FSDPConfig.compute_dtype: 'float12' is not a dtype", True),
-    ("model with no parameters", model_type("test::no_parameters"), "ConfigurationError",
-     "The model (NoParameters) has no parameters", True),
-    ("no DistributedSampler", no_sampler, "ConfigurationError",
-     "train_dataloader.sampler: distributed training needs a DistributedSampler", True),
-    ("auto-wrap class that no submodule has", wrapper(modules_to_wrap=None, wrap_module_classes=["GPT2Block"]),
-     "ConfigurationError", "no submodule of ToyRegressor has class 'GPT2Block'", True),
-    ("mixed precision in the engine only", engine(fsdp_config={"mixed_precision": True}, amp=True),
-     "ConfigurationError", "differ in ['mixed_precision']: the wrapped units and the root unit would compute", True),
-    ("forward returns no loss", model_type("test::no_loss"), "ConfigurationError",
-     "The model's forward() returned no 'loss'", False),
+    (
+        "invalid regex",
+        wrapper(modules_to_wrap=["blocks\\.[0-9"]),
+        "ConfigurationError",
+        "'blocks\\\\.[0-9' is not a valid regular expression",
+        True,
+    ),
+    (
+        "pattern matching nothing",
+        wrapper(modules_to_wrap=["block\\.[0-9]+"]),
+        "ConfigurationError",
+        "'block\\\\.[0-9]+' matches no submodule of ToyRegressor",
+        True,
+    ),
+    (
+        "pattern matching the root",
+        wrapper(modules_to_wrap=[".*"]),
+        "ConfigurationError",
+        "'.*' matches the root module",
+        True,
+    ),
+    (
+        "device_count 1",
+        set_train(device_count=1),
+        "ConfigurationError",
+        "set 'device_count' to 2 or more in the torch::train step (it is 1)",
+        True,
+    ),
+    (
+        "move_params_to_cpu without move_grads_to_cpu",
+        engine(fsdp_config={"move_params_to_cpu": True, "move_grads_to_cpu": False}),
+        "ConfigurationError",
+        "fairscale#918",
+        True,
+    ),
+    (
+        "unknown fsdp_config key",
+        engine(fsdp_config={"reshard_after_forwards": False}),
+        "ConfigurationError",
+        "Unknown FSDPConfig option(s) ['reshard_after_forwards']. Valid options: reshard_after_forward,",
+        True,
+    ),
+    (
+        "wrong value type",
+        engine(fsdp_config={"flatten_parameters": "yes"}),
+        "ConfigurationError",
+        "FSDPConfig.flatten_parameters: expected bool, got str 'yes'",
+        True,
+    ),
+    (
+        "dtype that is not a dtype",
+        engine(fsdp_config={"mixed_precision": True, "compute_dtype": "float12"}, amp=True),
+        "ConfigurationError",
+        "FSDPConfig.compute_dtype: 'float12' is not a dtype",
+        True,
+    ),
+    (
+        "model with no parameters",
+        model_type("test::no_parameters"),
+        "ConfigurationError",
+        "The model (NoParameters) has no parameters",
+        True,
+    ),
+    (
+        "no DistributedSampler",
+        no_sampler,
+        "ConfigurationError",
+        "train_dataloader.sampler: distributed training needs a DistributedSampler",
+        True,
+    ),
+    (
+        "auto-wrap class that no submodule has",
+        wrapper(modules_to_wrap=None, wrap_module_classes=["GPT2Block"]),
+        "ConfigurationError",
+        "no submodule of ToyRegressor has class 'GPT2Block'",
+        True,
+    ),
+    (
+        "mixed precision in the engine only",
+        engine(fsdp_config={"mixed_precision": True}, amp=True),
+        "ConfigurationError",
+        "differ in ['mixed_precision']: the wrapped units and the root unit would compute",
+        True,
+    ),
+    (
+        "forward returns no loss",
+        model_type("test::no_loss"),
+        "ConfigurationError",
+        "The model's forward() returned no 'loss'",
+        False,
+    ),
 ]
 
 WARNINGS = [
-    ("mixed_precision without amp", both(fsdp_config={"mixed_precision": True}),
-     "fsdp_config.mixed_precision is true but training_engine.amp is false"),
-    ("fsdp_config differs between wrapper and engine", engine(fsdp_config={"reshard_after_forward": False}),
-     "model.fsdp_config and training_engine.fsdp_config differ in ['reshard_after_forward']"),
+    (
+        "mixed_precision without amp",
+        both(fsdp_config={"mixed_precision": True}),
+        "fsdp_config.mixed_precision is true but training_engine.amp is false",
+    ),
+    (
+        "fsdp_config differs between wrapper and engine",
+        engine(fsdp_config={"reshard_after_forward": False}),
+        "model.fsdp_config and training_engine.fsdp_config differ in ['reshard_after_forward']",
+    ),
 ]
 
 
@@ -93,7 +164,9 @@ def bad_run(change: Callable[[Config], None], tmp_path: Path) -> Any:
 
 
 @pytest.mark.parametrize("case, change, error, fragment, before_spawn", CASES, ids=[c[0] for c in CASES])
-def test_bad_config(case: str, change: Any, error: str, fragment: str, before_spawn: bool, tmp_path: Path) -> None:
+def test_bad_config(
+    case: str, change: Any, error: str, fragment: str, before_spawn: bool, tmp_path: Path
+) -> None:
     result = bad_run(change, tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]

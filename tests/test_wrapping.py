@@ -81,7 +81,12 @@ def test_selection_by_class_and_size() -> None:
 
 
 def test_overlapping_selection_nests_deepest_first() -> None:
-    assert plan_wrapping(toy(), {"blocks", "blocks\\.[0-9]+"}) == ["blocks.0", "blocks.1", "blocks.2", "blocks"]
+    assert plan_wrapping(toy(), {"blocks", "blocks\\.[0-9]+"}) == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks",
+    ]
 
 
 @pytest.mark.parametrize(
