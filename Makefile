@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo demo-toy test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,14 +20,20 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks]"
 	$(BIN)/python -m pip check
 	@touch $@
 
 install: $(VENV)/.installed
 
-# A small model trained with FairScale FSDP on 2 CPU workers (2 GPUs where there are).
+# GPT-2 trained from scratch on a book with FairScale FSDP on 2 CPU workers (2 GPUs where
+# there are), then text generated from the trained weights with plain transformers.
 demo: install
+	cd examples/train_gpt2 && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/train_gpt2
+	cd examples/train_gpt2 && ../../$(BIN)/python generate.py ../../workspace/train_gpt2 --prompt "Alice was"
+
+# The smallest example: a regression model in a few seconds.
+demo-toy: install
 	cd examples/toy && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/toy
 
 test: install

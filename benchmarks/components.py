@@ -1,6 +1,7 @@
 """
-Tango components for the benchmarks: a GPT-2 built from a config, random token data, a
-measuring callback, and PyTorch-native FSDP2 as a peer training engine.
+Tango components for the benchmarks: random token data, a measuring callback, and
+PyTorch-native FSDP2 as a peer training engine. The model is the GPT-2 of
+``examples/train_gpt2`` (``"gpt2::from_config"``).
 """
 
 import json
@@ -16,29 +17,6 @@ from tango import Step
 from tango.common import Lazy
 from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
-from transformers import GPT2Config, GPT2LMHeadModel
-
-
-@Model.register("benchmark::gpt2")
-class BenchmarkGPT2(Model):
-    """``GPT2LMHeadModel`` from config numbers (no dropout, so every engine sees the same math)."""
-
-    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int) -> None:
-        super().__init__()
-        config = GPT2Config(
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            vocab_size=vocab_size,
-            n_positions=n_positions,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        self.gpt2 = GPT2LMHeadModel(config)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
-        return {"loss": self.gpt2(input_ids=input_ids, labels=labels).loss}
 
 
 @Step.register("benchmark::random_tokens")
@@ -74,6 +52,10 @@ def _state_bytes(engine: TrainingEngine) -> Dict[str, int]:
     }
 
 
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 @TrainCallback.register("benchmark::measure")
 class Measure(TrainCallback):
     """
@@ -89,7 +71,13 @@ class Measure(TrainCallback):
         self.last_start: Optional[float] = None
         self.state: Dict[str, int] = {}
 
+    def pre_train_loop(self) -> None:
+        # The high-water mark after building the model and the engine, before any step.
+        self.setup_peak = _peak_rss_bytes()
+
     def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        if step == 1:
+            self.first_step_peak = _peak_rss_bytes()
         now = time.perf_counter()
         if self.last_start is not None:
             self.step_times.append(now - self.last_start)
@@ -104,7 +92,9 @@ class Measure(TrainCallback):
             "world_size": self.train_config.world_size,
             "state_bytes": self.state,
             "state_bytes_total": sum(self.state.values()),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss_bytes(),
+            "peak_rss_after_setup_bytes": getattr(self, "setup_peak", None),
+            "peak_rss_after_first_step_bytes": getattr(self, "first_step_peak", None),
             "step_time_s": statistics.median(measured) if measured else None,
             "step_times_s": self.step_times,
             "parameters": sum(

@@ -63,7 +63,7 @@ def experiment(
     name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int
 ) -> Dict[str, Any]:
     engine_type, engine_options, wrapper = CONFIGS[name]
-    model_config: Dict[str, Any] = {"type": "benchmark::gpt2", **model}
+    model_config: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, **model}
     if wrapper is not None:
         model_config = {
             "type": "fairscale::with_wrapped_modules",
@@ -129,6 +129,8 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         str(run_dir / "ws"),
         "-i",
         "tango_fairscale",
+        "-i",
+        "examples.train_gpt2.components",
         "-i",
         "benchmarks.components",
     ]

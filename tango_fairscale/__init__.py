@@ -12,6 +12,7 @@ under ``include_package`` in ``tango.yml``.
 """
 
 from . import checkpointing
+from .callbacks import MemoryCallback
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "FSDPConfig",
     "FairScaleTrainingEngine",
+    "MemoryCallback",
     "__version__",
     "checkpointing",
     "plan_wrapping",

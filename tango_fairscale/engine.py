@@ -23,7 +23,7 @@ from tango.integrations.torch import (
 )
 
 from . import checkpointing
-from .compat import fsdp_compute_device_is_cpu
+from .compat import fsdp_compute_device_is_cpu, limit_cpu_heap_growth
 from .config import FSDPConfig
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
 from .registry import register_training_engine
@@ -102,6 +102,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             )
         self.fsdp_config = fsdp_config or FSDPConfig()
         self.init_on_meta = init_on_meta
+        if train_config.device_type == "cpu":
+            limit_cpu_heap_growth()
         if self.fsdp_config.mixed_precision and not amp:
             warnings.warn(
                 "fsdp_config.mixed_precision is true but the engine's 'amp' is false: parameters "

@@ -170,3 +170,30 @@ class TinyT5(Model):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"loss": self.t5(input_ids=input_ids, labels=labels).loss}
+
+
+@Model.register("test::hf_gpt2")
+class HFGPT2(Model):
+    """
+    A plain ``GPT2LMHeadModel`` with Hugging Face's defaults (its key/value cache on), built from
+    config numbers, with dropout off so that every engine computes the same thing.
+    """
+
+    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            vocab_size=vocab_size,
+            n_positions=n_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        self.gpt2 = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"loss": self.gpt2(input_ids=input_ids, labels=labels).loss}

@@ -37,3 +37,12 @@ def test_stream_context_tracks_the_current_stream() -> None:
     with streams.stream(side):
         assert streams.current_stream() is side
     assert streams.current_stream() is before
+
+
+def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    assert compat.limit_cpu_heap_growth() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert compat.limit_cpu_heap_growth() is sys.platform.startswith("linux")

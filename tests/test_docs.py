@@ -21,7 +21,11 @@ def test_fsdp_config_fields() -> None:
 
 
 def test_engine_parameters() -> None:
-    taken = set(inspect.signature(FairScaleTrainingEngine.__init__).parameters) - {"self", "train_config", "model"}
+    taken = set(inspect.signature(FairScaleTrainingEngine.__init__).parameters) - {
+        "self",
+        "train_config",
+        "model",
+    }
     assert section_fields('### Training engine `"fairscale"`') == taken
 
 

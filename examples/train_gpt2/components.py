@@ -152,8 +152,7 @@ class TokenizeBytes(Step):
             tokens = torch.tensor(token_ids, dtype=torch.long)
             stride = train_stride if split == "train" else block_size
             blocks = [
-                tokens[start : start + block_size]
-                for start in range(0, len(tokens) - block_size + 1, stride)
+                tokens[start : start + block_size] for start in range(0, len(tokens) - block_size + 1, stride)
             ]
             if not blocks:
                 raise ValueError(

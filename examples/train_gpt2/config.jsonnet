@@ -3,15 +3,15 @@
 // with activation checkpointing. Runs as is on 2 CPU workers; see README.md for GPUs.
 //
 //   cd examples/train_gpt2
-//   tango run config.jsonnet -w workspace                     # the default size, a few minutes on a laptop CPU
-//   tango run config.jsonnet -w workspace --ext-var size=tiny # a smoke test in well under a minute
+//   tango run config.jsonnet -w ../../workspace/train_gpt2                      # about 2.5 minutes on 2 CPU cores
+//   tango run config.jsonnet -w ../../workspace/train_gpt2 --ext-var size=tiny  # a smoke test, under 30 s
 //
 // `size` picks one of the presets below. tango.yml in this directory sets it to "default"
 // (Tango passes environment variables to jsonnet as external variables); --ext-var wins.
 local size = std.extVar("size");
 
-// Workers: CPU processes talking over gloo when there is no GPU, else one per GPU (NCCL).
-// On GPUs: set device_count to the number of GPUs (2 or more) and amp to true.
+// Workers: one per GPU (NCCL) when the machine has at least device_count GPUs, else CPU
+// processes (gloo). On GPUs: set device_count to the number of GPUs (2 or more), amp to true.
 local device_count = 2;
 local amp = false;
 
@@ -21,10 +21,11 @@ local presets = {
     n_layer: 2, n_embd: 64, n_head: 2, block_size: 64,
     batch_size: 8, lr: 0.003, train_steps: 40, validate_every: 10, log_every: 10,
   },
-  // About 0.8M parameters; the loss falls from 5.5 to about 1.8 (nats per byte).
+  // About 0.8M parameters: the validation loss falls from 2.7 after 100 steps to 1.86 nats
+  // per byte after 600 (5.55 is a uniform guess); about 2.5 minutes on 2 CPU cores.
   default: {
-    n_layer: 4, n_embd: 128, n_head: 4, block_size: 128,
-    batch_size: 16, lr: 0.002, train_steps: 300, validate_every: 50, log_every: 25,
+    n_layer: 4, n_embd: 128, n_head: 4, block_size: 64,
+    batch_size: 16, lr: 0.002, train_steps: 600, validate_every: 100, log_every: 50,
   },
 };
 assert std.objectHas(presets, size) :
@@ -57,6 +58,8 @@ local p = presets[size];
           n_embd: p.n_embd,
           n_layer: p.n_layer,
           n_head: p.n_head,
+          // No dropout: a few hundred steps over the book are far from overfitting it.
+          dropout: 0.0,
         },
         // Every transformer block (transformer.h.0, transformer.h.1, ...) becomes its own FSDP
         // unit, so only one block's full parameters exist at a time. The same selection by
