@@ -5,6 +5,7 @@ The GPT-2 example (examples/train_gpt2) end to end through the ``tango`` command
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -56,10 +57,13 @@ def _plain_gpt2(model_config: Dict[str, Any]):
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Tuple[subprocess.CompletedProcess, Path]:
     """One ``tango run`` of the example in its tiny size, shared by the tests below."""
     workspace = tmp_path_factory.mktemp("gpt2_workspace")
-    overrides = json.dumps({"steps.train.distributed_port": _free_port()})
+    # Also record each worker's model-state bytes, for the `plan` estimate below.
+    callbacks = _train_step_config()["callbacks"] + [{"type": "test::record_state_sizes"}]
+    overrides = json.dumps({"steps.train.distributed_port": _free_port(), "steps.train.callbacks": callbacks})
     command = [str(TANGO), "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
-    command += ["--ext-var", f"size={SIZE}", "--overrides", overrides]
-    result = subprocess.run(command, cwd=EXAMPLE_DIR, capture_output=True, text=True, timeout=300)
+    command += ["--ext-var", f"size={SIZE}", "--overrides", overrides, "-i", "tests.components"]
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE_DIR.parent.parent)}
+    result = subprocess.run(command, cwd=EXAMPLE_DIR, env=env, capture_output=True, text=True, timeout=300)
     return result, workspace
 
 
@@ -207,3 +211,40 @@ def test_memory_callback_is_registered() -> None:
     from tango.integrations.torch import TrainCallback
 
     assert TrainCallback.by_name("fairscale::memory") is MemoryCallback
+
+
+@pytest.mark.slow
+def test_plan_estimate_matches_the_example_run(trained, tmp_path: Path) -> None:
+    result, workspace = trained
+    assert result.returncode == 0, _output(result)[-6000:]
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tango_fairscale",
+            "plan",
+            "config.jsonnet",
+            "--ext-var",
+            f"size={SIZE}",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ],
+        cwd=EXAMPLE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plan.returncode == 0, plan.stderr
+    print(plan.stdout)
+    assert "transformer.h.0 (GPT2Block)" in plan.stdout and "yes" in plan.stdout
+    estimate = json.loads((tmp_path / "plan.json").read_text())
+    assert [unit["name"] for unit in estimate["units"]][1:] == ["transformer.h.0", "transformer.h.1"]
+    work_dir = workspace / "latest" / "train" / "work"
+    sizes = sorted(work_dir.glob("state_sizes_worker*.json"))
+    assert len(sizes) == 2
+    for path in sizes:
+        measured = json.loads(path.read_text())
+        total = measured["param_bytes"] + measured["grad_bytes"] + measured["optimizer_bytes"]
+        estimated = estimate["bytes_per_worker"]["total"]
+        print(f"worker {measured['worker']}: measured {total} B, estimated {estimated} B")
+        assert abs(estimated - total) <= 0.10 * total
