@@ -139,6 +139,20 @@ def require_complete(checkpoint_dir: Path) -> Dict[str, Any]:
     return marker
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """
+    The complete checkpoint that ``path`` names: a checkpoint directory itself, or the work
+    directory of a ``torch::train`` step (its ``checkpoint_state_latest``). Raises a
+    :class:`CheckpointError` saying what is wrong otherwise.
+    """
+    path = Path(path).expanduser()
+    if (path / "checkpoint_state_latest").exists():
+        path = path / "checkpoint_state_latest"
+    path = path.resolve()
+    require_complete(path)
+    return path
+
+
 def load_model_shards(checkpoint_dir: Path) -> List[Dict[str, Any]]:
     """Every worker's ``{"weights", "metadata"}`` model file of a complete checkpoint, in rank order."""
     marker = require_complete(checkpoint_dir)

@@ -27,9 +27,7 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     ``with_optimizer``, write ``{"model": ..., "optimizer": ...}`` instead, the optimizer state
     keyed by parameter name.
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / "checkpoint_state_latest").exists():
-        checkpoint_dir = (checkpoint_dir / "checkpoint_state_latest").resolve()
+    checkpoint_dir = checkpointing.resolve_checkpoint(Path(checkpoint_dir))
     marker = checkpointing.require_complete(checkpoint_dir)
     world_size = marker["world_size"]
     kinds = ["model", "optimizer"] if with_optimizer else ["model"]

@@ -8,7 +8,7 @@ never checks whether CUDA is there. The collectives themselves are ordinary
 between FSDP and CPU workers is the stream bookkeeping, which on a CPU is meaningless: CPU
 kernels run synchronously, in program order, so there is nothing to overlap or to wait for.
 
-:func:`enable_cpu_fsdp` removes that obstacle with three scoped changes:
+:func:`enable_cpu_fsdp` removes that obstacle with four scoped changes:
 
 1. Inside FairScale's FSDP module only, the name ``torch`` is rebound to a stand-in whose
    ``cuda`` attribute answers the stream calls with no-op CPU streams. Every other attribute
@@ -22,6 +22,12 @@ kernels run synchronously, in program order, so there is nothing to overlap or t
    shaped ``[world_size * n]`` where FairScale passes ``[world_size, n]``; the list forms
    carry the same data and are what gloo implements.
 
+4. In the same two modules, ``dist.all_gather`` and ``dist.reduce_scatter`` are served by
+   gloo's all-reduce where the tensors allow it (:class:`_GlooCollectives`): gloo's all-reduce
+   is much faster than its all-gather and reduce-scatter (measured on 2 workers and 64 MiB:
+   55 ms against 74 ms, and 58 ms against 106 ms) and gives the same values, since adding
+   zeros is exact and the sums are the same sums.
+
 It is only ever called in processes whose FSDP instances compute on the CPU (Tango's CPU
 workers), so a CUDA run keeps FairScale's code path byte for byte.
 """
@@ -30,7 +36,7 @@ import logging
 import threading
 import types
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,6 +139,7 @@ def enable_cpu_fsdp() -> None:
 
         fsdp_module.torch = _TorchWithCpuStreams("torch")  # type: ignore[attr-defined]
         _set_base_collectives(False)
+        _set_collectives(_GlooCollectives("torch.distributed"))
         library = torch.library.Library("aten", "IMPL")
         library.impl("record_stream", _noop_record_stream, "CPU")
         _record_stream_library = library
@@ -150,6 +157,7 @@ def disable_cpu_fsdp() -> None:
 
         fsdp_module.torch = torch  # type: ignore[attr-defined]
         _set_base_collectives(_base_collectives_default)
+        _set_collectives(dist)
         if _record_stream_library is not None:
             _record_stream_library._destroy()
             _record_stream_library = None
@@ -159,6 +167,81 @@ def disable_cpu_fsdp() -> None:
 def cpu_fsdp_enabled() -> bool:
     """Whether :func:`enable_cpu_fsdp` is in effect in this process."""
     return _enabled
+
+
+def _contiguous_span(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """
+    One flat view over ``tensors`` when they are equal-sized, contiguous, back-to-back pieces of
+    one storage (as ``buffer.chunk(n)`` makes), else ``None``. Depends only on how the views were
+    made, never on where an allocator happened to put separate tensors, so every worker decides
+    the same way.
+    """
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    step = first.numel() * first.element_size()
+    for index, tensor in enumerate(tensors):
+        if (
+            not tensor.is_contiguous()
+            or tensor.dtype != first.dtype
+            or tensor.numel() != first.numel()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.data_ptr() != first.data_ptr() + index * step
+        ):
+            return None
+    return first.as_strided((first.numel() * len(tensors),), (1,))
+
+
+class _GlooCollectives(types.ModuleType):
+    """
+    What FairScale's FSDP module and its reduce-scatter bucketer see as ``torch.distributed``
+    on CPU workers: all-gather and reduce-scatter through all-reduce where possible.
+    """
+
+    @staticmethod
+    def all_gather(
+        tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        span = None if async_op else _contiguous_span(tensor_list)
+        if span is None or tensor.numel() != tensor_list[0].numel():
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rank = dist.get_rank(group)
+        for index, piece in enumerate(tensor_list):
+            if index != rank:
+                piece.zero_()
+        if tensor_list[rank].data_ptr() != tensor.data_ptr():
+            tensor_list[rank].copy_(tensor.view_as(tensor_list[rank]))
+        # Every worker contributes its shard and zeros elsewhere: the sum is the gather.
+        dist.all_reduce(span, group=group)
+        return None
+
+    @staticmethod
+    def reduce_scatter(
+        output: torch.Tensor,
+        input_list: List[torch.Tensor],
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        # FairScale's inputs are scratch (a gradient bucket, or chunks of a gradient it drops
+        # right after), so reducing them in place is safe.
+        if async_op or op != dist.ReduceOp.SUM or not all(t.is_contiguous() for t in input_list):
+            return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        span = _contiguous_span(input_list)
+        for piece in [span] if span is not None else input_list:
+            dist.all_reduce(piece, group=group)
+        output.copy_(input_list[dist.get_rank(group)].view_as(output))
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
+def _set_collectives(module: Any) -> None:
+    from fairscale.internal import reduce_scatter_bucketer
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+
+    fsdp_module.dist = module  # type: ignore[attr-defined]
+    reduce_scatter_bucketer.dist = module  # type: ignore[attr-defined]
 
 
 def _set_base_collectives(enabled: bool) -> None:
@@ -191,18 +274,19 @@ def fsdp_compute_device_is_cpu() -> bool:
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 1 << 20
+_MMAP_THRESHOLD_BYTES = 16 << 20
 
 
 def limit_cpu_heap_growth() -> bool:
     """
-    Serve allocations of 1 MiB and more with their own memory mappings, returned to the system
+    Serve allocations of 16 MiB and more with their own memory mappings, returned to the system
     when freed. FSDP on CPU allocates and frees whole-unit buffers (gathered parameters, their
-    gradients) every step; glibc's default raises its mmap threshold after the first such free,
-    so later ones come from the heap, where they fragment and stay resident: measured on a
-    124 M-parameter GPT-2, a worker's peak RSS went from 2.8 to 2.0 GiB with this. It is what
-    ``MALLOC_MMAP_THRESHOLD_=1048576`` does, so a value set there is left alone. Linux/glibc only;
-    returns whether the setting was applied.
+    gradients) every step; glibc's default raises its mmap threshold after the first such free
+    (up to 32 MiB), so later ones come from the heap, where they fragment and stay resident.
+    Measured on a 124 M-parameter GPT-2 with 2 workers, a worker's peak RSS went from 2.46 to
+    2.25 GiB; a 1 MiB threshold saved more (2.0 GiB) but made every activation a fresh mapping and
+    a step 25 % slower. It is what ``MALLOC_MMAP_THRESHOLD_=16777216`` does, so a value set there
+    is left alone. Linux/glibc only; returns whether the setting was applied.
     """
     import ctypes
     import os

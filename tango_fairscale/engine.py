@@ -144,11 +144,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         if has_own_checkpoint:
             logger.info("Resuming from this step's own checkpoint; ignoring resume_from_checkpoint")
             return
-        source = source.expanduser().resolve()
-        if (source / "checkpoint_state_latest").exists():
-            source = (source / "checkpoint_state_latest").resolve()
         try:
-            checkpointing.require_complete(source)
+            source = checkpointing.resolve_checkpoint(source)
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"resume_from_checkpoint: {error}") from None
         if config.worker_id == 0:

@@ -15,6 +15,7 @@ wrapper only passes the call through.
 import functools
 import logging
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -81,13 +82,8 @@ def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConf
         )
     source = engine.get("resume_from_checkpoint")
     if source is not None:
-        from pathlib import Path
-
-        path = Path(str(source)).expanduser()
-        if (path / "checkpoint_state_latest").exists():
-            path = (path / "checkpoint_state_latest").resolve()
         try:
-            checkpointing.require_complete(path)
+            checkpointing.resolve_checkpoint(Path(str(source)))
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"training_engine.resume_from_checkpoint: {error}") from None
     return fsdp_config

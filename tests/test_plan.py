@@ -11,29 +11,17 @@ import pytest
 from tests.helpers import run_tango, tango_env, train_config, train_work_dir
 
 
-def plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> Dict[str, Any]:
+def run_plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tango_fairscale",
-            "plan",
-            str(config_path),
-            "--json",
-            str(tmp_path / "plan.json"),
-            "-i",
-            "examples.toy.components",
-            *extra,
-        ],
-        cwd=tmp_path,
-        env=tango_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    command = [sys.executable, "-m", "tango_fairscale", "plan", str(config_path)]
+    command += ["-i", "examples.toy.components", *extra]
+    return subprocess.run(command, cwd=tmp_path, env=tango_env(), capture_output=True, text=True, check=False)
+
+
+def plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> Dict[str, Any]:
+    result = run_plan(config, tmp_path, "--json", str(tmp_path / "plan.json"), *extra)
     assert result.returncode == 0, result.stderr
     print(result.stdout)
     return {"text": result.stdout, **json.loads((tmp_path / "plan.json").read_text())}
@@ -65,23 +53,7 @@ def test_plan_without_fsdp_units_is_root_only(tmp_path: Path) -> None:
 def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
     config = train_config(wrap="nested")
     config["steps"]["train"]["model"]["modules_to_wrap"] = ["nope"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tango_fairscale",
-            "plan",
-            str(tmp_path / "config.json"),
-            "-i",
-            "examples.toy.components",
-        ],
-        cwd=tmp_path,
-        env=tango_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_plan(config, tmp_path)
     assert result.returncode == 2
     assert "'nope' matches no submodule of ToyRegressor" in result.stderr
 
