@@ -248,8 +248,45 @@ def markdown(
             f"| {r.get('rss_vs_ddp', 1):.3f} | {r['step_time_s']:.3f} s "
             f"| {r.get('time_vs_ddp', 1):.3f} | {r.get('time_vs_fsdp2', float('nan')):.3f} |"
         )
-    lines += ["", "![memory and step time per configuration](benchmarks.png)", ""]
+    lines += [
+        "",
+        *targets(records, parameters),
+        "",
+        "![memory and step time per configuration](benchmarks.png)",
+        "",
+    ]
     return "\n".join(lines)
+
+
+#: (world size, metric, limit, what): the project's targets for full sharding (`fsdp`).
+TARGETS = [
+    (2, "state_vs_ddp", 0.52, "model-state bytes per worker / DDP"),
+    (4, "state_vs_ddp", 0.27, "model-state bytes per worker / DDP"),
+    (2, "time_vs_ddp", 1.20, "step time / DDP"),
+    (2, "time_vs_fsdp2", 1.00, "step time / FSDP2"),
+    (2, "rss_vs_ddp", 0.75, "peak resident memory per worker / DDP (models of 100 M parameters or more)"),
+]
+
+
+def targets(records: List[Dict[str, Any]], parameters: int) -> List[str]:
+    """The targets for `fsdp`, each with the measured ratio and whether it holds."""
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    lines = [
+        "## Targets (`fsdp`: full sharding, one unit per block)",
+        "",
+        "| workers | ratio | target | measured | |",
+        "|---:|---|---:|---:|---|",
+    ]
+    for world_size, metric, limit, what in TARGETS:
+        record = by_key.get(("fsdp", world_size))
+        if record is None or metric not in record:
+            continue
+        if metric == "rss_vs_ddp" and parameters < 100e6:
+            continue
+        value = record[metric]
+        verdict = "met" if value <= limit else "missed"
+        lines.append(f"| {world_size} | {what} | <= {limit:.2f} | {value:.3f} | {verdict} |")
+    return lines
 
 
 def chart(records: List[Dict[str, Any]], path: Path) -> None:
@@ -306,6 +343,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
     parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
+    parser.add_argument(
+        "--render", type=Path, default=None, help="no runs: redraw the table and chart from this --json file"
+    )
     args = parser.parse_args(argv)
     args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
     args.steps = args.steps or (4 if args.quick else 8)
@@ -314,6 +354,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        args.world_sizes = sorted({r["world_size"] for r in saved["records"]} - {1})
+        args.__dict__.update(saved.get("settings", {}))
+        return report(saved["records"], saved["environment"], saved["parameters"], args)
 
     plan = [("ddp", 1)] + [(c, ws) for ws in args.world_sizes for c in configs]
     scratch = Path(tempfile.mkdtemp(prefix="tango-fairscale-bench-"))
@@ -337,9 +383,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parameters = records[0]["workers"][0]["parameters"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {key: getattr(args, key) for key in ("quick", "steps", "warmup", "batch_size")}
         args.json.write_text(
-            json.dumps({"environment": env, "parameters": parameters, "records": records}, indent=2)
+            json.dumps(
+                {"environment": env, "parameters": parameters, "settings": settings, "records": records},
+                indent=2,
+            )
         )
+    return report(records, env, parameters, args)
+
+
+def report(
+    records: List[Dict[str, Any]], env: Dict[str, Any], parameters: int, args: argparse.Namespace
+) -> int:
+    """Write the markdown table and the chart, and print the table."""
     text = markdown(records, env, args, parameters)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

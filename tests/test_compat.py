@@ -46,3 +46,18 @@ def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: igno
     assert compat.limit_cpu_heap_growth() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert compat.limit_cpu_heap_growth() is sys.platform.startswith("linux")
+
+
+def test_contiguous_span_only_for_back_to_back_views() -> None:
+    buffer = torch.arange(12.0)
+    span = compat._contiguous_span(list(buffer.chunk(3)))
+    assert span is not None and span.data_ptr() == buffer.data_ptr() and span.numel() == 12
+    # Rows of a partly used 2-D bucket have gaps between them.
+    bucket = torch.zeros(2, 6)
+    assert compat._contiguous_span(list(bucket[:, :4].unbind(0))) is None
+    assert compat._contiguous_span(list(bucket.unbind(0))) is not None
+    # Separately allocated tensors never count as one span, wherever they lie.
+    assert compat._contiguous_span([torch.zeros(3), torch.zeros(3)]) is None
+    # Out of order, or of different sizes.
+    assert compat._contiguous_span(list(reversed(buffer.chunk(3)))) is None
+    assert compat._contiguous_span([buffer[:4], buffer[4:10]]) is None
