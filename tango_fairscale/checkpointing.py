@@ -22,6 +22,7 @@ workers (:func:`reshard_model_weights`, :func:`reshard_optimizer_state`).
 
 import json
 import os
+import pickle
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -54,9 +55,24 @@ def atomic_save(obj: Any, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        fsync_directory(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def fsync_directory(directory: Path) -> None:
+    """Flush a directory's entries (the renames into it) to disk, where the OS allows it."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def safe_load(path: Path) -> Any:
@@ -70,11 +86,16 @@ def safe_load(path: Path) -> Any:
         raise CheckpointError(f"Checkpoint file {path} is missing.")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises UnpicklingError, RuntimeError, ... by version
+    except pickle.UnpicklingError as error:  # what weights_only raises for a disallowed global
+        first_line = str(error).splitlines()[0] if str(error) else ""
         raise CheckpointError(
             f"Refusing to load {path}: it is not a plain tensor checkpoint that loads with "
             f"weights_only=True, so it may carry executable pickle content. Nothing in it was run. "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            f"({first_line})"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as error:  # unreadable, truncated, not a torch file
+        raise CheckpointError(
+            f"Cannot read checkpoint file {path}: {type(error).__name__}: {error}"
         ) from None
 
 
@@ -88,6 +109,7 @@ def write_marker(checkpoint_dir: Path, world_size: int, extra: Optional[Dict[str
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
 
 
 def read_marker(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:

@@ -125,6 +125,24 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         )
         if amp_use_bfloat16 is None:
             amp_use_bfloat16 = train_config.device_type == "cpu"
+        if amp and not amp_use_bfloat16 and train_config.device_type == "cpu":
+            raise ConfigurationError(
+                "amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers: loss scaling "
+                "needs CUDA there. Use bfloat16 (amp_use_bfloat16: true or unset) on CPU."
+            )
+        if (
+            amp
+            and amp_use_bfloat16
+            and self.fsdp_config.mixed_precision
+            and self.fsdp_config.compute_dtype is None
+        ):
+            warnings.warn(
+                "fsdp_config.mixed_precision computes in float16 unless compute_dtype is set, while AMP "
+                "uses bfloat16 without loss scaling: small gradients can underflow. Set "
+                'fsdp_config.compute_dtype: "bfloat16".',
+                UserWarning,
+                stacklevel=2,
+            )
         self.amp = amp
         self.amp_dtype = torch.bfloat16 if amp_use_bfloat16 else torch.float16
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
@@ -150,6 +168,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             raise ConfigurationError(f"resume_from_checkpoint: {error}") from None
         if config.worker_id == 0:
             config.work_dir.mkdir(parents=True, exist_ok=True)
+            if config.state_path.is_symlink():  # dangling: its target was removed
+                config.state_path.unlink()
             config.state_path.symlink_to(source, target_is_directory=True)
         dist.barrier()
 
@@ -180,7 +200,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 model = model.construct()
         if has_meta_parameters(model):
             # What with_wrapped_modules did not already allocate unit by unit: the root's own.
-            materialize_module(model, self.train_config.worker_local_default_device, root=model)
+            # FairScale expects offloaded parameters to start on the CPU.
+            device = (
+                torch.device("cpu")
+                if self.fsdp_config.move_params_to_cpu
+                else self.train_config.worker_local_default_device
+            )
+            materialize_module(model, device, root=model)
         if not any(True for _ in model.parameters()):
             raise ConfigurationError(
                 f"The model ({type(model).__name__}) has no parameters: there is nothing to shard or train."
@@ -306,7 +332,21 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             self.lr_scheduler.load_state_dict(load("lr_scheduler"))
         if self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(load("grad_scaler"))
-        return load("trainer")
+        trainer_state = load("trainer")
+        if self.train_config.work_dir.resolve() not in checkpoint_dir.parents:
+            trainer_state = self._trainer_state_from_another_run(trainer_state)
+        return trainer_state
+
+    def _trainer_state_from_another_run(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        # A checkpoint of another run (resume_from_checkpoint) brings its step count, but its
+        # best validation metric was measured on that run's terms and its best checkpoint is not
+        # in this work directory: keep Tango from comparing against, or linking to, either.
+        state = dict(state)
+        for key in list(state):
+            if key.startswith(("val_", "best_")):
+                state[key] = None
+        state["callbacks"] = []
+        return state
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)

@@ -54,7 +54,9 @@ def _is_fairscale_engine(training_engine: Any) -> bool:
     return isinstance(engine_class, type) and issubclass(engine_class, FairScaleTrainingEngine)
 
 
-def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConfig]:
+def check_engine(
+    engine: Dict[str, Any], device_count: int, work_dir: Optional[Path] = None, on_cpu: bool = False
+) -> Optional[FSDPConfig]:
     """Validate the engine's options; return its FSDP config (if given)."""
     if device_count < 2:
         raise ConfigurationError(
@@ -73,6 +75,11 @@ def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConf
                 UserWarning,
                 stacklevel=2,
             )
+    if on_cpu and engine.get("amp", False) and engine.get("amp_use_bfloat16") is False:
+        raise ConfigurationError(
+            "training_engine.amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers: "
+            "loss scaling needs CUDA there. Use bfloat16 (amp_use_bfloat16: true or unset) on CPU."
+        )
     max_grad_norm = engine.get("max_grad_norm")
     if max_grad_norm is not None and (
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0
@@ -81,7 +88,9 @@ def check_engine(engine: Dict[str, Any], device_count: int) -> Optional[FSDPConf
             f"training_engine.max_grad_norm: must be a positive number, got {max_grad_norm!r}."
         )
     source = engine.get("resume_from_checkpoint")
-    if source is not None:
+    # A step with its own checkpoint resumes from that and ignores the source.
+    has_own = work_dir is not None and (work_dir / "checkpoint_state_latest").exists()
+    if source is not None and not has_own:
         try:
             checkpointing.resolve_checkpoint(Path(str(source)))
         except checkpointing.CheckpointError as error:
@@ -163,10 +172,13 @@ def preflight(
     train_split: str = "train",
     validation_split: Optional[str] = None,
     validation_dataloader: Any = None,
+    work_dir: Optional[Path] = None,
 ) -> None:
     """All checks, in the order a user would fix them."""
     engine = _params_of(training_engine)
-    fsdp_config = check_engine(engine, len(devices or []))
+    devices = list(devices or [])
+    on_cpu = bool(devices) and all(device < 0 for device in devices)  # Tango's -1: a CPU worker
+    fsdp_config = check_engine(engine, len(devices), work_dir, on_cpu)
     check_sampler(_params_of(train_dataloader), dataset_dict[train_split], "train_dataloader")
     if validation_split is not None:
         loader = validation_dataloader if validation_dataloader is not None else train_dataloader
@@ -204,6 +216,7 @@ def install() -> None:
                 train_split=kwargs.get("train_split", "train"),
                 validation_split=kwargs.get("validation_split"),
                 validation_dataloader=kwargs.get("validation_dataloader"),
+                work_dir=self.work_dir,
             )
         return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
 

@@ -293,7 +293,9 @@ def with_wrapped_modules(
     if to_checkpoint:
         _disable_hf_kv_cache(model)
 
-    device = _worker_device()
+    # FairScale expects offloaded parameters to start on the CPU.
+    offload = fsdp_config is not None and fsdp_config.move_params_to_cpu
+    device = torch.device("cpu") if offload or not use_fsdp else _worker_device()
     # Deepest first, so that a parent is wrapped after (and around) its wrapped children.
     # Parameters built on meta (the engine's init_on_meta) are allocated one unit at a time,
     # right before the unit is sharded.

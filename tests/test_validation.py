@@ -135,6 +135,13 @@ CASES = [
         True,
     ),
     (
+        "float16 AMP on CPU workers",
+        engine(amp=True, amp_use_bfloat16=False),
+        "ConfigurationError",
+        "amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers",
+        True,
+    ),
+    (
         "forward returns no loss",
         model_type("test::no_loss"),
         "ConfigurationError",
