@@ -28,7 +28,8 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     keyed by parameter name.
     """
     checkpoint_dir = checkpointing.resolve_checkpoint(Path(checkpoint_dir))
-    marker = checkpointing.require_complete(checkpoint_dir)
+    marker = checkpointing.read_marker(checkpoint_dir)
+    assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
     kinds = ["model", "optimizer"] if with_optimizer else ["model"]
     loaded = {kind: [] for kind in kinds}  # type: dict

@@ -1,6 +1,5 @@
 """The all-reduce based all-gather and reduce-scatter of the CPU support give what gloo's own give."""
 
-import socket
 from typing import List
 
 import pytest
@@ -9,12 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tango_fairscale.compat import _GlooCollectives
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _check(rank: int, world_size: int, port: int) -> None:
@@ -52,4 +46,4 @@ def _check(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_based_collectives_match_gloo(world_size: int) -> None:
-    mp.spawn(_check, args=(world_size, _port()), nprocs=world_size)
+    mp.spawn(_check, args=(world_size, free_port()), nprocs=world_size)

@@ -6,7 +6,6 @@ The GPT-2 example (examples/train_gpt2) end to end through the ``tango`` command
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,11 @@ import torch
 from tango.integrations.torch import TrainConfig
 
 from tango_fairscale.callbacks import MemoryCallback, WorkerStats, format_summary
+from tests.helpers import free_port
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "train_gpt2"
 TANGO = Path(sys.executable).parent / "tango"
 SIZE = "tiny"
-
-
-def _free_port() -> int:
-    # Tango's default rendezvous port is fixed, and other distributed runs (other tests, other
-    # users of the machine) may hold it.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_step_config() -> Dict[str, Any]:
@@ -59,7 +51,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Tuple[subprocess.Comple
     workspace = tmp_path_factory.mktemp("gpt2_workspace")
     # Also record each worker's model-state bytes, for the `plan` estimate below.
     callbacks = _train_step_config()["callbacks"] + [{"type": "test::record_state_sizes"}]
-    overrides = json.dumps({"steps.train.distributed_port": _free_port(), "steps.train.callbacks": callbacks})
+    overrides = json.dumps({"steps.train.distributed_port": free_port(), "steps.train.callbacks": callbacks})
     command = [str(TANGO), "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
     command += ["--ext-var", f"size={SIZE}", "--overrides", overrides, "-i", "tests.components"]
     env = {**os.environ, "PYTHONPATH": str(EXAMPLE_DIR.parent.parent)}

@@ -3,7 +3,6 @@ GPU paths (NCCL, world size 1): AMP float16 with the sharded grad scaler, FSDP m
 precision, and CPU offload. Skipped without CUDA.
 """
 
-import socket
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -15,17 +14,12 @@ from tango.integrations.torch import Model, Optimizer, TrainConfig
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, checkpointing
+from tests.helpers import free_port
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
