@@ -8,7 +8,6 @@ import difflib
 import logging
 import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
 
 import torch
@@ -43,20 +42,6 @@ def silence_false_gradients_warning() -> None:
 
 
 silence_false_gradients_warning()
-
-
-@dataclass
-class WrapPlan:
-    """Which submodules (by qualified name) are wrapped how. Built by :func:`plan_wrapping`."""
-
-    fsdp: List[str] = field(default_factory=list)
-    """Submodules that become their own FSDP unit, deepest first (the order they are wrapped in)."""
-
-    checkpoint: List[str] = field(default_factory=list)
-    """Submodules whose forward is recomputed in backward (activation checkpointing)."""
-
-    matched_by: Dict[str, str] = field(default_factory=dict)
-    """For each selected submodule, the rule that selected it (for error messages and the planner)."""
 
 
 def _compile_patterns(patterns: Iterable[str]) -> List[Tuple[str, Pattern[str]]]:
