@@ -8,8 +8,9 @@ import json
 import resource
 import statistics
 import time
+import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,49 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+class _TimedCollectives(types.ModuleType):
+    """``torch.distributed`` as FairScale's modules see it, with its gathers and scatters timed."""
+
+    TIMED = ("all_gather", "reduce_scatter")
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__("torch.distributed")
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name not in self.TIMED:
+            return attribute
+
+        def timed(*args: Any, _call: Callable[..., Any] = attribute, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def _time_fairscale_collectives() -> Optional[_TimedCollectives]:
+    """
+    Time FairScale's all-gathers and reduce-scatters on CPU workers, where they run
+    synchronously (on GPUs they are asynchronous, so wall time around them means nothing).
+    """
+    from tango_fairscale import compat
+
+    if not compat.cpu_fsdp_enabled():
+        return None
+    from fairscale.internal import reduce_scatter_bucketer
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+
+    timed = _TimedCollectives(fsdp_module.dist)
+    fsdp_module.dist = timed  # type: ignore[attr-defined]
+    reduce_scatter_bucketer.dist = timed  # type: ignore[attr-defined]
+    return timed
+
+
 @TrainCallback.register("benchmark::measure")
 class Measure(TrainCallback):
     """
@@ -70,10 +114,13 @@ class Measure(TrainCallback):
         self.step_times: List[float] = []
         self.last_start: Optional[float] = None
         self.state: Dict[str, int] = {}
+        self.collective_times: List[float] = []
+        self.collectives: Optional[_TimedCollectives] = None
 
     def pre_train_loop(self) -> None:
         # The high-water mark after building the model and the engine, before any step.
         self.setup_peak = _peak_rss_bytes()
+        self.collectives = _time_fairscale_collectives()
 
     def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
         if step == 1:
@@ -81,12 +128,17 @@ class Measure(TrainCallback):
         now = time.perf_counter()
         if self.last_start is not None:
             self.step_times.append(now - self.last_start)
+            if self.collectives is not None:
+                self.collective_times.append(self.collectives.seconds)
         self.last_start = now
+        if self.collectives is not None:
+            self.collectives.seconds = 0.0
         if step > 0:  # after an optimizer step, all state exists
             self.state = _state_bytes(self.training_engine)
 
     def post_train_loop(self, step: int, epoch: int) -> None:
         measured = self.step_times[self.warmup_steps :] or self.step_times
+        collectives = self.collective_times[self.warmup_steps :] or self.collective_times
         record = {
             "worker": self.train_config.worker_id,
             "world_size": self.train_config.world_size,
@@ -97,6 +149,8 @@ class Measure(TrainCallback):
             "peak_rss_after_first_step_bytes": getattr(self, "first_step_peak", None),
             "step_time_s": statistics.median(measured) if measured else None,
             "step_times_s": self.step_times,
+            # Seconds per step spent in FairScale's all-gathers and reduce-scatters (CPU only).
+            "collectives_time_s": statistics.median(collectives) if collectives else None,
             "parameters": sum(
                 getattr(p, "_local_tensor", p).numel() for p in self.training_engine.model.parameters()
             ),

@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,9 +156,30 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         "state_bytes_per_worker": max(w["state_bytes_total"] for w in workers),
         "peak_rss_bytes_per_worker": max(w["peak_rss_bytes"] for w in workers),
         "step_time_s": max(w["step_time_s"] for w in workers),
+        "collectives_time_s": max(
+            (w["collectives_time_s"] for w in workers if w.get("collectives_time_s") is not None),
+            default=None,
+        ),
         "wall_time_s": wall,
         "workers": workers,
     }
+
+
+def combine(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """
+    One record from repeated runs of a configuration: the median step time (and time in
+    collectives) over the runs, the largest memory figures, and each run's figures under "runs".
+    """
+    record = dict(runs[0])
+    record["step_time_s"] = statistics.median(r["step_time_s"] for r in runs)
+    collectives = [r["collectives_time_s"] for r in runs if r["collectives_time_s"] is not None]
+    record["collectives_time_s"] = statistics.median(collectives) if collectives else None
+    record["state_bytes_per_worker"] = max(r["state_bytes_per_worker"] for r in runs)
+    record["peak_rss_bytes_per_worker"] = max(r["peak_rss_bytes_per_worker"] for r in runs)
+    record["wall_time_s"] = sum(r["wall_time_s"] for r in runs)
+    kept = ("step_time_s", "collectives_time_s", "peak_rss_bytes_per_worker", "wall_time_s")
+    record["runs"] = [{key: r[key] for key in kept} for r in runs]
+    return record
 
 
 def add_ratios(records: List[Dict[str, Any]]) -> None:
@@ -208,6 +230,11 @@ def mib(value: float) -> str:
     return f"{value / 2**20:,.0f} MiB"
 
 
+def ratio(record: Dict[str, Any], key: str) -> str:
+    """A ratio for the table, or a dash where its reference configuration did not run."""
+    return f"{record[key]:.3f}" if key in record else "-"
+
+
 def markdown(
     records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int
 ) -> str:
@@ -217,9 +244,17 @@ def markdown(
         "",
         f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {sequence_length}, "
         f"batch {args.batch_size} per worker, AdamW), trained through `tango run` on CPU workers (gloo), "
-        f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Every configuration "
+        f"{args.steps} steps, median step time after {args.warmup} warm-up steps"
+        + (
+            f", each configuration run {args.repeats} times in interleaved rounds (median of the runs)"
+            if args.repeats > 1
+            else ""
+        )
+        + ". Every configuration "
         'ran in the same session on the same machine; ratios are to DDP (Tango\'s `"torch"` engine) at '
-        "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`).",
+        "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`). "
+        '"In collectives" is the time per step spent in FairScale\'s all-gathers and reduce-scatters '
+        "(the slowest worker's median), waiting for the other workers included.",
         "",
         "| | |",
         "|---|---|",
@@ -233,20 +268,24 @@ def markdown(
                 *(["--quick"] if args.quick else []),
                 "--world-sizes",
                 ",".join(map(str, args.world_sizes)),
+                *(["--configs", ",".join(args.configs)] if args.configs != list(CONFIGS) else []),
+                *(["--repeats", str(args.repeats)] if args.repeats > 1 else []),
             ]
         )
         + "`",
         "",
         "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP "
-        "| step time | x DDP | x FSDP2 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step time | x DDP | x FSDP2 | in collectives |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
+        collectives = r.get("collectives_time_s")
         lines.append(
             f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} "
-            f"| {r.get('state_vs_ddp', 1):.3f} | {mib(r['peak_rss_bytes_per_worker'])} "
-            f"| {r.get('rss_vs_ddp', 1):.3f} | {r['step_time_s']:.3f} s "
-            f"| {r.get('time_vs_ddp', 1):.3f} | {r.get('time_vs_fsdp2', float('nan')):.3f} |"
+            f"| {ratio(r, 'state_vs_ddp')} | {mib(r['peak_rss_bytes_per_worker'])} "
+            f"| {ratio(r, 'rss_vs_ddp')} | {r['step_time_s']:.3f} s "
+            f"| {ratio(r, 'time_vs_ddp')} | {ratio(r, 'time_vs_fsdp2')} "
+            f"| {f'{collectives:.3f} s' if collectives is not None else '-'} |"
         )
     lines += [
         "",
@@ -336,6 +375,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in interleaved rounds, and report the median "
+        "(evens out a busy machine's slow spells)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     parser.add_argument("--json", type=Path, default=None, help="write the records here")
     parser.add_argument(
@@ -350,7 +396,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
     args.steps = args.steps or (4 if args.quick else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    configs = [c for c in args.configs.split(",") if c]
+    configs = args.configs = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
@@ -361,14 +407,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.__dict__.update(saved.get("settings", {}))
         return report(saved["records"], saved["environment"], saved["parameters"], args)
 
+    if args.repeats < 1:
+        parser.error("--repeats must be 1 or more")
     plan = [("ddp", 1)] + [(c, ws) for ws in args.world_sizes for c in configs]
     scratch = Path(tempfile.mkdtemp(prefix="tango-fairscale-bench-"))
-    records = []
+    runs: Dict[Any, List[Dict[str, Any]]] = {key: [] for key in plan}
+    total = len(plan) * args.repeats
     try:
-        for index, (name, world_size) in enumerate(plan, 1):
-            print(f"[{index}/{len(plan)}] {name} on {world_size} worker(s) ...", end=" ", flush=True)
-            record = run_one(name, world_size, args, scratch)
-            records.append(record)
+        for index, (round_, (name, world_size)) in enumerate(
+            ((r, key) for r in range(args.repeats) for key in plan), 1
+        ):
+            print(f"[{index}/{total}] {name} on {world_size} worker(s) ...", end=" ", flush=True)
+            record = run_one(name, world_size, args, scratch / f"round{round_}")
+            runs[(name, world_size)].append(record)
             print(
                 f"state {mib(record['state_bytes_per_worker'])}, "
                 f"peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
@@ -378,12 +429,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
+    records = [combine(runs[key]) for key in plan]
     add_ratios(records)
     env = environment()
     parameters = records[0]["workers"][0]["parameters"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {key: getattr(args, key) for key in ("quick", "steps", "warmup", "batch_size")}
+        settings = {
+            key: getattr(args, key)
+            for key in ("quick", "steps", "warmup", "batch_size", "repeats", "configs")
+        }
         args.json.write_text(
             json.dumps(
                 {"environment": env, "parameters": parameters, "settings": settings, "records": records},

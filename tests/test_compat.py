@@ -48,16 +48,21 @@ def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: igno
     assert compat.limit_cpu_heap_growth() is sys.platform.startswith("linux")
 
 
-def test_contiguous_span_only_for_back_to_back_views() -> None:
+def test_ring_takes_only_equal_contiguous_pieces() -> None:
     buffer = torch.arange(12.0)
-    span = compat._contiguous_span(list(buffer.chunk(3)))
-    assert span is not None and span.data_ptr() == buffer.data_ptr() and span.numel() == 12
-    # Rows of a partly used 2-D bucket have gaps between them.
+    assert compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4))
+    # Rows of a partly used 2-D bucket are contiguous each, with gaps between them: fine.
     bucket = torch.zeros(2, 6)
-    assert compat._contiguous_span(list(bucket[:, :4].unbind(0))) is None
-    assert compat._contiguous_span(list(bucket.unbind(0))) is not None
-    # Separately allocated tensors never count as one span, wherever they lie.
-    assert compat._contiguous_span([torch.zeros(3), torch.zeros(3)]) is None
-    # Out of order, or of different sizes.
-    assert compat._contiguous_span(list(reversed(buffer.chunk(3)))) is None
-    assert compat._contiguous_span([buffer[:4], buffer[4:10]]) is None
+    assert compat._ring_compatible(list(bucket[:, :4].unbind(0)), torch.zeros(4))
+    # Columns are strided; sizes or dtypes that differ from the single tensor are not taken.
+    assert not compat._ring_compatible(list(bucket.unbind(1)), torch.zeros(2))
+    assert not compat._ring_compatible([buffer[:4], buffer[4:10]], torch.zeros(4))
+    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4, dtype=torch.float64))
+    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(8)[::2])
+
+
+def test_overlaps() -> None:
+    buffer = torch.arange(12.0)
+    assert compat._overlaps(buffer[:4], buffer[3:6])
+    assert not compat._overlaps(buffer[:4], buffer[4:8])
+    assert not compat._overlaps(torch.zeros(3), torch.zeros(3))
