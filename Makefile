@@ -42,7 +42,7 @@ test: install
 lint: install
 	$(BIN)/ruff check tango_fairscale tests examples benchmarks
 	$(BIN)/ruff format --check tango_fairscale tests examples benchmarks
-	$(BIN)/mypy tango_fairscale
+	$(BIN)/mypy tango_fairscale benchmarks
 
 clean:
 	rm -rf $(VENV) workspace build *.egg-info

@@ -146,6 +146,10 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         )
     work_dir = next((run_dir / "ws").glob("cache/TorchTrainStep-*/work"))
     workers = [json.loads(p.read_text()) for p in sorted(work_dir.glob("benchmark_worker*.json"))]
+    if not args.keep:
+        # Each run leaves a checkpoint and weights (gigabytes for the full model): a whole
+        # benchmark's worth would fill a disk.
+        shutil.rmtree(run_dir, ignore_errors=True)
     if len(workers) != world_size:
         raise RuntimeError(f"{name} at world size {world_size}: {len(workers)} worker records")
     return {
@@ -370,7 +374,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline"
     )
     parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS)
+        "--configs",
+        default=None,
+        help="comma-separated subset of: "
+        + ", ".join(CONFIGS)
+        + " (with --gpu: fp32, amp, amp_mixed_precision)",
     )
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
@@ -392,7 +400,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--render", type=Path, default=None, help="no runs: redraw the table and chart from this --json file"
     )
+    gpu = parser.add_argument_group("GPU mode (one GPU, NCCL, world size 1; benchmarks/gpu.py)")
+    gpu.add_argument(
+        "--gpu",
+        action="store_true",
+        help="fp32 vs AMP vs AMP + mixed_precision on one GPU: peak CUDA memory, tokens/s, MFU",
+    )
+    gpu.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="with --gpu: cpu runs the same harness (fp32 only) to check it without a GPU",
+    )
+    gpu.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="with --gpu: the device's dense half-precision peak for MFU (default: from a table of GPUs)",
+    )
     args = parser.parse_args(argv)
+    if args.gpu:
+        sys.path.insert(0, str(REPO))
+        from benchmarks import gpu as gpu_mode
+
+        return gpu_mode.main(args)
+    args.configs = args.configs or ",".join(CONFIGS)
     args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
     args.steps = args.steps or (4 if args.quick else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)

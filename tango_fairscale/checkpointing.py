@@ -75,17 +75,20 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def safe_load(path: Path) -> Any:
+def safe_load(path: Path, mmap: bool = False) -> Any:
     """
     ``torch.load(path, map_location="cpu", weights_only=True)``: tensors, containers and plain
     values only. A file that needs anything else (a pickled object or callable) is refused
     before any of it runs, with an error naming the file.
+
+    With ``mmap=True`` the tensors are views of the file, read from disk only where they are
+    used: resharding reads every saved worker's file but needs a slice of each.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint file {path} is missing.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # what weights_only raises for a disallowed global
         first_line = str(error).splitlines()[0] if str(error) else ""
         raise CheckpointError(
@@ -125,14 +128,28 @@ def read_marker(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
     return marker if isinstance(marker, dict) and "world_size" in marker else None
 
 
+def saved_file_names(marker: Dict[str, Any]) -> List[str]:
+    """
+    The names of the files (``"model"``, ``"optimizer"``, ``"lr_scheduler"``, ...) that every
+    worker wrote, as the marker lists them; a marker from before that list has only the model's
+    name, the one file every checkpoint has.
+    """
+    return list(marker.get("files", ["model"]))
+
+
+def _missing_files(checkpoint_dir: Path, marker: Dict[str, Any]) -> List[str]:
+    return [
+        worker_file(checkpoint_dir, worker, name).name
+        for worker in range(marker["world_size"])
+        for name in saved_file_names(marker)
+        if not worker_file(checkpoint_dir, worker, name).is_file()
+    ]
+
+
 def is_complete(checkpoint_dir: Path) -> bool:
     """Whether ``checkpoint_dir`` holds a checkpoint whose every worker finished writing."""
     marker = read_marker(checkpoint_dir)
-    if marker is None:
-        return False
-    return all(
-        worker_file(checkpoint_dir, worker, "model").is_file() for worker in range(marker["world_size"])
-    )
+    return marker is not None and not _missing_files(checkpoint_dir, marker)
 
 
 def require_complete(checkpoint_dir: Path) -> Dict[str, Any]:
@@ -151,11 +168,7 @@ def require_complete(checkpoint_dir: Path) -> Dict[str, Any]:
             f"{checkpoint_dir} is not a tango-fairscale checkpoint (no {MARKER} and no "
             "worker*_model.pt files)."
         )
-    missing = [
-        str(worker_file(checkpoint_dir, worker, "model").name)
-        for worker in range(marker["world_size"])
-        if not worker_file(checkpoint_dir, worker, "model").is_file()
-    ]
+    missing = _missing_files(checkpoint_dir, marker)
     if missing:
         raise CheckpointError(f"{checkpoint_dir} is incomplete: missing {missing}.")
     return marker
@@ -217,11 +230,25 @@ def _unsharded(key: str, tensors: Sequence[torch.Tensor], paddings: Sequence[Dic
     return torch.cat(pieces)
 
 
-def _shard(full: torch.Tensor, shard_numel: int, rank: int) -> torch.Tensor:
-    """FairScale's sharding: contiguous chunks of ``shard_numel``, the tail padded with zeros."""
-    shard = torch.zeros(shard_numel, dtype=full.dtype)
-    piece = full[rank * shard_numel : (rank + 1) * shard_numel]
-    shard[: piece.numel()] = piece
+def _reshard(
+    key: str, tensors: Sequence[torch.Tensor], paddings: Sequence[Dict[str, int]], shard_numel: int, rank: int
+) -> torch.Tensor:
+    """
+    Worker ``rank``'s shard of one flat parameter (or its optimizer state) saved as ``tensors``
+    by other workers, in FairScale's layout: contiguous chunks of ``shard_numel`` of the
+    unpadded whole, the last one padded with zeros. Copies only the elements of that chunk, so
+    the whole is never assembled.
+    """
+    start, stop = rank * shard_numel, (rank + 1) * shard_numel
+    shard = torch.zeros(shard_numel, dtype=tensors[0].dtype)
+    offset = 0  # where the current saved piece starts in the unpadded whole
+    for tensor, padding in zip(tensors, paddings):
+        flat = tensor.reshape(-1)
+        length = flat.numel() - padding[key]
+        low, high = max(start, offset), min(stop, offset + length)
+        if low < high:
+            shard[low - start : high - start] = flat[low - offset : high - offset]
+        offset += length
     return shard
 
 
@@ -254,8 +281,10 @@ def reshard_model_weights(
         if key not in paddings[0]:  # a buffer: replicated, take worker 0's
             resharded[key] = shards[0]["weights"][key]
             continue
-        full = _unsharded(key, [shard["weights"][key] for shard in shards], paddings)
-        resharded[key] = _shard(full, current.numel(), rank).to(current.dtype).view(current.shape)
+        saved = [shard["weights"][key] for shard in shards]
+        resharded[key] = (
+            _reshard(key, saved, paddings, current.numel(), rank).to(current.dtype).view(current.shape)
+        )
     return resharded
 
 
@@ -284,8 +313,8 @@ def reshard_optimizer_state(
         entry: Dict[str, Any] = {}
         for name, value in per_worker[0].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                full = _unsharded(key, [worker[name] for worker in per_worker], paddings)
-                entry[name] = _shard(full, local_weights[key].numel(), rank).to(value.dtype)
+                saved = [worker[name] for worker in per_worker]
+                entry[name] = _reshard(key, saved, paddings, local_weights[key].numel(), rank).to(value.dtype)
             else:
                 entry[name] = value
         state[new_index] = entry

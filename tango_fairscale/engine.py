@@ -283,7 +283,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             checkpointing.write_marker(
                 checkpoint_dir,
                 world_size=self.train_config.world_size,
-                extra={"training_steps": client_state.get("training_steps")},
+                extra={"training_steps": client_state.get("training_steps"), "files": sorted(states)},
             )
         dist.barrier()
 
@@ -300,8 +300,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         # a worker that did not exist in the saved run reads worker 0's.
         source_worker = worker if worker < saved_world_size else 0
 
-        def load(name: str, from_worker: int = source_worker) -> Any:
-            return checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, from_worker, name))
+        def load(name: str, from_worker: int = source_worker, mmap: bool = False) -> Any:
+            path = checkpointing.worker_file(checkpoint_dir, from_worker, name)
+            return checkpointing.safe_load(path, mmap=mmap)
 
         fsdp: FSDP = self.model  # type: ignore[assignment]
         local_weights = fsdp.local_state_dict()
@@ -318,8 +319,10 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 saved_world_size,
                 self.train_config.world_size,
             )
-            model_shards = [load("model", w) for w in range(saved_world_size)]
-            optimizer_shards = [load("optimizer", w) for w in range(saved_world_size)]
+            # Every worker needs a slice of every saved file: mapped, not read whole, so that a
+            # host running N workers does not hold N copies of the full model and optimizer.
+            model_shards = [load("model", w, mmap=True) for w in range(saved_world_size)]
+            optimizer_shards = [load("optimizer", w, mmap=True) for w in range(saved_world_size)]
             fsdp.load_local_state_dict(
                 checkpointing.reshard_model_weights(model_shards, local_weights, worker)
             )
@@ -328,10 +331,18 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                     model_shards, optimizer_shards, local_weights, self._optimizer_keys(), worker
                 )
             )
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(load("lr_scheduler"))
-        if self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(load("grad_scaler"))
+        saved_files = checkpointing.saved_file_names(marker) if "files" in marker else None
+        for name, component, fresh in (
+            ("lr_scheduler", self.lr_scheduler, "the learning-rate schedule starts from its first step"),
+            ("grad_scaler", self.grad_scaler, "the loss scale starts from its initial value"),
+        ):
+            if component is None:
+                continue
+            if saved_files is not None and name not in saved_files:
+                # A checkpoint of a run configured without it (resume_from_checkpoint).
+                logger.warning("Checkpoint %s has no %s state: %s.", checkpoint_dir, name, fresh)
+                continue
+            component.load_state_dict(load(name))
         trainer_state = load("trainer")
         if self.train_config.work_dir.resolve() not in checkpoint_dir.parents:
             trainer_state = self._trainer_state_from_another_run(trainer_state)

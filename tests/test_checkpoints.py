@@ -303,3 +303,74 @@ def test_consolidate_refuses_foreign_or_incomplete_dirs(make: Any, fragment: str
     assert result.returncode == 2
     assert fragment in result.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_reshard_takes_each_workers_chunk_of_the_unpadded_whole() -> None:
+    # Ten elements saved by 3 workers in FairScale's layout (chunks of 4, the last padded by 2),
+    # resharded onto 1 to 7 workers: each chunk of the whole, the last padded with zeros.
+    whole = torch.arange(1.0, 11.0)
+    saved = [torch.tensor([1.0, 2, 3, 4]), torch.tensor([5.0, 6, 7, 8]), torch.tensor([9.0, 10, 0, 0])]
+    paddings = [{"p": 0}, {"p": 0}, {"p": 2}]
+    for world_size in range(1, 8):
+        shard_numel = -(-whole.numel() // world_size)
+        for rank in range(world_size):
+            expected = torch.zeros(shard_numel)
+            piece = whole[rank * shard_numel : (rank + 1) * shard_numel]
+            expected[: piece.numel()] = piece
+            got = checkpointing._reshard("p", saved, paddings, shard_numel, rank)
+            assert torch.equal(got, expected), (world_size, rank)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_safe_load_can_map_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "worker0_model.pt"
+    torch.save({"weights": {"w": torch.arange(1000.0)}}, path)
+    mapped = checkpointing.safe_load(path, mmap=True)
+    assert torch.equal(mapped["weights"]["w"], torch.arange(1000.0))
+    assert str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_marker_lists_every_file_a_worker_must_have(tmp_path: Path) -> None:
+    for worker in range(2):
+        for name in ("model", "optimizer", "trainer"):
+            torch.save({}, checkpointing.worker_file(tmp_path, worker, name))
+    checkpointing.write_marker(tmp_path, world_size=2, extra={"files": ["model", "optimizer", "trainer"]})
+    assert checkpointing.is_complete(tmp_path)
+    assert checkpointing.require_complete(tmp_path)["world_size"] == 2
+    checkpointing.worker_file(tmp_path, 1, "optimizer").unlink()
+    assert not checkpointing.is_complete(tmp_path)
+    with pytest.raises(CheckpointError, match=r"incomplete: missing \['worker1_optimizer.pt'\]"):
+        checkpointing.require_complete(tmp_path)
+
+
+def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
+    two_worker_run: Path, tmp_path: Path
+) -> None:
+    # A checkpoint of a run configured without an LR scheduler, resumed by a run with one:
+    # the schedule starts fresh, with a warning, instead of failing on the missing file.
+    source = tmp_path / "no_scheduler"
+    shutil.copytree(two_worker_run / "checkpoint_state_step4", source)
+    for worker in range(2):
+        checkpointing.worker_file(source, worker, "lr_scheduler").unlink()
+    marker = checkpointing.read_marker(source)
+    assert marker is not None and "lr_scheduler" in marker["files"]
+    marker["files"].remove("lr_scheduler")
+    (source / checkpointing.MARKER).write_text(json.dumps(marker))
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=6,
+        checkpoint_every=6,
+        callbacks=[],
+        engine_extra={"resume_from_checkpoint": str(source)},
+    )
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    assert "has no lr_scheduler state: the learning-rate schedule starts from its first step" in (
+        result.stdout + result.stderr
+    )
+    assert (
+        checkpointing.read_marker(train_work_dir(tmp_path / "ws") / "checkpoint_state_latest")[  # type: ignore[index]
+            "training_steps"
+        ]
+        == 6
+    )
