@@ -103,7 +103,8 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         work_dir,
         is_distributed=True,
         world_size=1,
-        devices=[0] if cuda else None,
+        # -1 is Tango's CPU device: with None it would pick the GPU whenever there is one.
+        devices=[0] if cuda else [-1],
         distributed_port=settings["port"],
     )
     with torch.device("meta"):

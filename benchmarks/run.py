@@ -382,7 +382,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
-    parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per worker and step (default 2; --gpu: 8)"
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -425,7 +427,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return gpu_mode.main(args)
     args.configs = args.configs or ",".join(CONFIGS)
-    args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
+    # World size 1 is the DDP baseline, always run (the FSDP engine needs 2 workers or more).
+    args.world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x} - {1})
+    args.batch_size = args.batch_size or 2
     args.steps = args.steps or (4 if args.quick else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     configs = args.configs = [c for c in args.configs.split(",") if c]

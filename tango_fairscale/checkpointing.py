@@ -279,7 +279,8 @@ def reshard_model_weights(
     resharded: Dict[str, torch.Tensor] = {}
     for key, current in local_weights.items():
         if key not in paddings[0]:  # a buffer: replicated, take worker 0's
-            resharded[key] = shards[0]["weights"][key]
+            # A copy: the saved tensor may be a view of a memory-mapped file.
+            resharded[key] = shards[0]["weights"][key].clone()
             continue
         saved = [shard["weights"][key] for shard in shards]
         resharded[key] = (
@@ -315,8 +316,8 @@ def reshard_optimizer_state(
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 saved = [worker[name] for worker in per_worker]
                 entry[name] = _reshard(key, saved, paddings, local_weights[key].numel(), rank).to(value.dtype)
-            else:
-                entry[name] = value
+            else:  # e.g. Adam's step; copied, since it may be a view of a memory-mapped file
+                entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
         state[new_index] = entry
     groups = []
     for group in optimizer_shards[0]["param_groups"]:

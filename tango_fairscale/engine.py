@@ -331,15 +331,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                     model_shards, optimizer_shards, local_weights, self._optimizer_keys(), worker
                 )
             )
-        saved_files = checkpointing.saved_file_names(marker) if "files" in marker else None
         for name, component, fresh in (
             ("lr_scheduler", self.lr_scheduler, "the learning-rate schedule starts from its first step"),
             ("grad_scaler", self.grad_scaler, "the loss scale starts from its initial value"),
         ):
             if component is None:
                 continue
-            if saved_files is not None and name not in saved_files:
-                # A checkpoint of a run configured without it (resume_from_checkpoint).
+            if not checkpointing.worker_file(checkpoint_dir, source_worker, name).is_file():
+                # A checkpoint of a run configured without it (resume_from_checkpoint); the
+                # marker guarantees that any file the saving run wrote is there.
                 logger.warning("Checkpoint %s has no %s state: %s.", checkpoint_dir, name, fresh)
                 continue
             component.load_state_dict(load(name))

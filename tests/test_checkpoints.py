@@ -343,18 +343,23 @@ def test_marker_lists_every_file_a_worker_must_have(tmp_path: Path) -> None:
         checkpointing.require_complete(tmp_path)
 
 
+@pytest.mark.parametrize("marker_lists_files", [True, False], ids=["marker-lists-files", "older-marker"])
 def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
-    two_worker_run: Path, tmp_path: Path
+    marker_lists_files: bool, two_worker_run: Path, tmp_path: Path
 ) -> None:
     # A checkpoint of a run configured without an LR scheduler, resumed by a run with one:
-    # the schedule starts fresh, with a warning, instead of failing on the missing file.
+    # the schedule starts fresh, with a warning, instead of failing on the missing file. Also
+    # for markers written before they listed the files.
     source = tmp_path / "no_scheduler"
     shutil.copytree(two_worker_run / "checkpoint_state_step4", source)
     for worker in range(2):
         checkpointing.worker_file(source, worker, "lr_scheduler").unlink()
     marker = checkpointing.read_marker(source)
     assert marker is not None and "lr_scheduler" in marker["files"]
-    marker["files"].remove("lr_scheduler")
+    if marker_lists_files:
+        marker["files"].remove("lr_scheduler")
+    else:
+        del marker["files"]
     (source / checkpointing.MARKER).write_text(json.dumps(marker))
     config = train_config(
         engine="fairscale",

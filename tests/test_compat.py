@@ -50,15 +50,17 @@ def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: igno
 
 def test_ring_takes_only_equal_contiguous_pieces() -> None:
     buffer = torch.arange(12.0)
-    assert compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4))
+    assert compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 3)
+    # One piece per worker, no more and no fewer.
+    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 2)
     # Rows of a partly used 2-D bucket are contiguous each, with gaps between them: fine.
     bucket = torch.zeros(2, 6)
-    assert compat._ring_compatible(list(bucket[:, :4].unbind(0)), torch.zeros(4))
+    assert compat._ring_compatible(list(bucket[:, :4].unbind(0)), torch.zeros(4), 2)
     # Columns are strided; sizes or dtypes that differ from the single tensor are not taken.
-    assert not compat._ring_compatible(list(bucket.unbind(1)), torch.zeros(2))
-    assert not compat._ring_compatible([buffer[:4], buffer[4:10]], torch.zeros(4))
-    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4, dtype=torch.float64))
-    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(8)[::2])
+    assert not compat._ring_compatible(list(bucket.unbind(1)), torch.zeros(2), 6)
+    assert not compat._ring_compatible([buffer[:4], buffer[4:10]], torch.zeros(4), 2)
+    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4, dtype=torch.float64), 3)
+    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(8)[::2], 3)
 
 
 def test_overlaps() -> None:
