@@ -91,12 +91,11 @@ def _time_fairscale_collectives() -> Optional[_TimedCollectives]:
 
     if not compat.cpu_fsdp_enabled():
         return None
-    from fairscale.internal import reduce_scatter_bucketer
     from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
     timed = _TimedCollectives(fsdp_module.dist)
-    fsdp_module.dist = timed  # type: ignore[attr-defined]
-    reduce_scatter_bucketer.dist = timed  # type: ignore[attr-defined]
+    # The same seam the CPU support uses, so that both FairScale modules see the timed calls.
+    compat._set_collectives(timed)
     return timed
 
 

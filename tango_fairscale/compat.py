@@ -188,9 +188,9 @@ class _GlooCollectives(types.ModuleType):
     def all_gather(
         tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
     ) -> Any:
-        if async_op or not _ring_compatible(tensor_list, tensor, dist.get_world_size(group)):
-            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
         ring = _Ring(group)
+        if async_op or not _ring_compatible(tensor_list, tensor, ring.size):
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
         mine = tensor_list[ring.rank]
         if mine.data_ptr() != tensor.data_ptr():
             mine.copy_(tensor.view_as(mine))
@@ -207,14 +207,14 @@ class _GlooCollectives(types.ModuleType):
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
+        ring = _Ring(group)
         if (
             async_op
             or op != dist.ReduceOp.SUM
-            or not _ring_compatible(input_list, output, dist.get_world_size(group))
+            or not _ring_compatible(input_list, output, ring.size)
             or any(_overlaps(output, piece) for piece in input_list)
         ):
             return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
-        ring = _Ring(group)
         # FairScale's inputs are scratch (a gradient bucket, or chunks of a gradient it drops
         # right after), so partial sums are accumulated in them. ``output`` is the receive
         # buffer: a partial sum arrives there, is added to our own piece of that chunk, and the
