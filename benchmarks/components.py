@@ -19,6 +19,8 @@ from tango.common import Lazy
 from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
 
+from benchmarks.common import state_bytes
+
 
 @Step.register("benchmark::random_tokens")
 class RandomTokens(Step):
@@ -31,26 +33,6 @@ class RandomTokens(Step):
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(vocab_size, (count, sequence_length), generator=generator)
         return DatasetDict(splits={"train": [{"input_ids": t, "labels": t} for t in tokens]})
-
-
-def _state_bytes(engine: TrainingEngine) -> Dict[str, int]:
-    parameters = list(engine.model.parameters())
-
-    def nbytes(tensor: torch.Tensor) -> int:
-        local = getattr(tensor, "_local_tensor", tensor)  # an FSDP2 DTensor: count this worker's shard
-        return local.numel() * local.element_size()
-
-    optimizer = sum(
-        nbytes(value)
-        for state in engine.optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
-    return {
-        "parameters": sum(nbytes(p) for p in parameters),
-        "gradients": sum(nbytes(p.grad) for p in parameters if p.grad is not None),
-        "optimizer_state": optimizer,
-    }
 
 
 def _peak_rss_bytes() -> int:
@@ -91,11 +73,9 @@ def _time_fairscale_collectives() -> Optional[_TimedCollectives]:
 
     if not compat.cpu_fsdp_enabled():
         return None
-    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
-
-    timed = _TimedCollectives(fsdp_module.dist)
+    timed = _TimedCollectives(compat.current_collectives())
     # The same seam the CPU support uses, so that both FairScale modules see the timed calls.
-    compat._set_collectives(timed)
+    compat.set_collectives(timed)
     return timed
 
 
@@ -133,7 +113,7 @@ class Measure(TrainCallback):
         if self.collectives is not None:
             self.collectives.seconds = 0.0
         if step > 0:  # after an optimizer step, all state exists
-            self.state = _state_bytes(self.training_engine)
+            self.state = state_bytes(self.training_engine)
 
     def post_train_loop(self, step: int, epoch: int) -> None:
         measured = self.step_times[self.warmup_steps :] or self.step_times

@@ -90,7 +90,7 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     from tango.common import Lazy
     from tango.integrations.torch import Optimizer, TrainConfig
 
-    from benchmarks.components import _state_bytes
+    from benchmarks.common import state_bytes
     from examples.train_gpt2.components import GPT2LanguageModel
     from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, with_wrapped_modules
 
@@ -163,7 +163,7 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         "backend": dist.get_backend(),
         "parameters": sum(p.numel() for p in engine.model.parameters()),
         "matmul_parameters": matmul_params,
-        "state_bytes": _state_bytes(engine),
+        "state_bytes": state_bytes(engine),
         "step_time_s": step_time,
         "step_times_s": step_times,
         "losses": losses,
@@ -187,7 +187,7 @@ def environment(device: str) -> Dict[str, Any]:
     """The accelerator, then the host and the versions that the CPU benchmarks record."""
     import torch
 
-    from benchmarks.run import environment as host_environment
+    from benchmarks.common import host_environment
 
     env: Dict[str, Any] = {}
     if device == "cuda":
@@ -251,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     """Run every GPU configuration, each in its own process; write and print the results."""
     import torch
 
-    from benchmarks.run import free_port
+    from benchmarks.common import free_port
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():

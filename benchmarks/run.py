@@ -12,9 +12,7 @@ Ratios to DDP at the same world size are the headline: absolute times depend on 
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,11 @@ from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 TANGO = str(Path(sys.executable).with_name("tango"))
+# Run as a script, this file's own folder is on sys.path, not the repository.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import free_port, host_environment  # noqa: E402
 
 MODELS = {
     # GPT-2 small: 124 M parameters.
@@ -52,12 +55,6 @@ CONFIGS: Dict[str, Any] = {
     ),
     "fsdp2": ("benchmark::fsdp2", {"wrap_module_classes": [BLOCK]}, None),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def experiment(
@@ -200,34 +197,6 @@ def add_ratios(records: List[Dict[str, Any]]) -> None:
                 record[f"{short}_vs_ddp"] = record[key] / ddp[key]
             if fsdp2:
                 record[f"{short}_vs_fsdp2"] = record[key] / fsdp2[key]
-
-
-def environment() -> Dict[str, Any]:
-    import fairscale
-    import torch
-    import transformers
-    from tango.version import VERSION as tango_version
-
-    memory = None
-    if Path("/proc/meminfo").exists():
-        first = Path("/proc/meminfo").read_text().splitlines()[0]
-        memory = int(first.split()[1]) * 1024
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
-    return {
-        "machine": f"{cpu}, {os.cpu_count()} cores, {memory / 2**30:.0f} GiB" if memory else cpu,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "fairscale": fairscale.__version__,
-        "ai2-tango": tango_version,
-        "transformers": transformers.__version__,
-    }
 
 
 def mib(value: float) -> str:
@@ -422,7 +391,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.gpu:
-        sys.path.insert(0, str(REPO))
         from benchmarks import gpu as gpu_mode
 
         return gpu_mode.main(args)
@@ -467,7 +435,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     records = [combine(runs[key]) for key in plan]
     add_ratios(records)
-    env = environment()
+    env = host_environment()
     parameters = records[0]["workers"][0]["parameters"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

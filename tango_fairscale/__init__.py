@@ -11,22 +11,25 @@ Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fai
 under ``include_package`` in ``tango.yml``.
 """
 
-from . import checkpointing
+from . import checkpointing, compat
 from .callbacks import MemoryCallback
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
-from .errors import CheckpointError
-from .preflight import install as _install_preflight
+from .errors import CheckpointError, WrapConfigurationError
 from .version import VERSION as __version__
-from .wrapping import plan_wrapping, with_wrapped_modules
+from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
-_install_preflight()
+# Every change to FairScale, Tango and torch is made by tango_fairscale.compat, and only when
+# asked: this installs what every process needs (the step patch and the checkpoint fix).
+compat.install()
 
 __all__ = [
     "CheckpointError",
     "FSDPConfig",
     "FairScaleTrainingEngine",
     "MemoryCallback",
+    "WrapConfigurationError",
+    "WrapPlan",
     "__version__",
     "checkpointing",
     "plan_wrapping",

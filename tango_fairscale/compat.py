@@ -1,351 +1,359 @@
 """
-CPU support for FairScale's :class:`~fairscale.nn.FullyShardedDataParallel`.
+The integration boundary: every change this package makes to FairScale, Tango or torch.
 
-FairScale's FSDP was written for CUDA only: it overlaps communication with compute on CUDA
-streams (``torch.cuda.Stream``, ``torch.cuda.stream(...)``, ``Tensor.record_stream``) and
-never checks whether CUDA is there. The collectives themselves are ordinary
-``torch.distributed`` calls that the gloo backend implements, so the only thing standing
-between FSDP and CPU workers is the stream bookkeeping, which on a CPU is meaningless: CPU
-kernels run synchronously, in program order, so there is nothing to overlap or to wait for.
+Nothing here happens at import. Each patch is installed explicitly, by one function, which
+first checks the version of the library it patches and that every attribute it rebinds is
+there, and refuses with an error naming both otherwise:
 
-:func:`enable_cpu_fsdp` removes that obstacle with four scoped changes:
+- :func:`install` (called once by ``import tango_fairscale``) installs what every process
+  needs: the step patch (T1) and the checkpoint autocast fix (F5).
+- :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
+  FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
+  their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
+- :func:`meta_parameter_registration` is the one torch patch (P1), active only while the
+  engine builds a model with ``init_on_meta``.
 
-1. Inside FairScale's FSDP module only, the name ``torch`` is rebound to a stand-in whose
-   ``cuda`` attribute answers the stream calls with no-op CPU streams. Every other attribute
-   (and ``torch.cuda`` everywhere else in the process) is the real thing.
-2. ``aten::record_stream`` gets a no-op kernel for CPU tensors (it has none). Recording a
-   stream only tells the CUDA caching allocator not to reuse memory too early; CPU memory
-   is not managed that way, so doing nothing is the exact meaning of the call on a CPU.
-3. FairScale's own switch for its "base" collectives (``ENABLE_NCCL_BASE_COLLECTIVES=0``,
-   read into a module flag at import) is turned off in its two modules, so that it all-gathers
-   and reduce-scatters with the list forms. Gloo's single-tensor reduce-scatter wants the input
-   shaped ``[world_size * n]`` where FairScale passes ``[world_size, n]``; the list forms
-   carry the same data and are what gloo implements.
+The patches, with the reason for each (``docs/architecture.md`` has the same list):
 
-4. In the same two modules, ``dist.all_gather`` and ``dist.reduce_scatter`` become rings of
-   point-to-point transfers (:class:`_GlooCollectives`), which move half the bytes of gloo's
-   all-reduce and far fewer than gloo's own all-gather and reduce-scatter. Measured on 2
-   workers and 64 MiB: all-gather 18 ms (gloo's 94 ms, an all-reduce 45 ms), reduce-scatter
-   24 ms; on 4 workers 49 and 64 ms against 137 ms for an all-reduce. Gathering copies, so its
-   values are gloo's bit for bit; each reduce-scatter sum has a fixed order, so results are
-   deterministic, and with 2 workers (one addition, which commutes) equal to gloo's and DDP's.
+F1. ``fairscale.nn.data_parallel.fully_sharded_data_parallel.torch`` becomes a stand-in whose
+    ``cuda`` attribute answers the stream calls with no-op CPU streams
+    (:mod:`tango_fairscale.cpu.streams`). FairScale's FSDP overlaps communication on CUDA streams
+    and never checks that CUDA is there (FairScale has no CPU path; PyTorch's FSDP needed the same
+    no-op streams for CPU training, pytorch/pytorch#106099). Every other attribute, and
+    ``torch.cuda`` anywhere else, is the real thing.
+F2. ``aten::record_stream`` gets a no-op CPU kernel. It has none, and FairScale calls it on
+    every gathered buffer; on a CPU it has nothing to protect.
+F3. FairScale's ``enable_nccl_base_collectives`` flag (its ``ENABLE_NCCL_BASE_COLLECTIVES=0``
+    switch, read at import) is turned off in its FSDP module and its reduce-scatter bucketer:
+    gloo's single-tensor reduce-scatter wants ``[world_size * n]`` where FairScale passes
+    ``[world_size, n]``; the list forms carry the same data and are what gloo implements.
+F4. ``dist`` in the same two modules becomes :class:`~tango_fairscale.cpu.collectives.GlooCollectives`:
+    all-gather and reduce-scatter as rings of gloo send/recv, which move half the bytes of an
+    all-reduce. Every other ``torch.distributed`` function is the real one.
+F5. ``fairscale.nn.checkpoint.checkpoint_activations.is_autocast_enabled`` and ``autocast``
+    record and restore the autocast state of every device type with its dtype. FairScale's
+    versions look at CUDA autocast only and re-enter it as float16, so a checkpointed unit's
+    recomputation in backward ran without CPU bfloat16 autocast (a dtype error, or silently
+    float32 gradients), and under CUDA bfloat16 autocast in float16 (facebookresearch/fairscale#1199,
+    the same bug as pytorch/pytorch#71124 in torch's own checkpoint). Applies on every device.
+T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for every step, to
+    (a) add ``tango_fairscale`` to the modules Tango re-imports in its spawned workers
+    (``tango.common.util.get_extra_imported_modules()``), so a plain ``import tango_fairscale``
+    (a script, a custom step's module, a conftest) works as ``include_package`` does: without it
+    the workers resolved ``"fairscale"`` to ai2-tango's bundled engine; (b) for steps on the
+    ``"fairscale"`` engine, run :func:`tango_fairscale.preflight.preflight` before the workers
+    are spawned; (c) for distributed steps (any engine), serve the workers' rendezvous store from
+    the main process (:func:`tango_fairscale.launch.rendezvous_store`): Tango's default
+    ``distributed_port`` is replaced by a free one when taken (two runs on one machine), and a
+    port the config set that is taken is refused, naming ``distributed_port``.
+P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registration` is active
+    in any thread: parameters registered by a thread inside
+    :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
+    The rebinding is counted process-wide, so one thread leaving cannot remove it under another.
 
-It is only ever called in processes whose FSDP instances compute on the CPU (Tango's CPU
-workers), so a CUDA run keeps FairScale's code path byte for byte.
+Registration over the bundled integration's names (``exist_ok=True``) is in :mod:`.registry`.
 """
 
+import functools
 import logging
+import os
 import threading
-import types
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, cast
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+
+from .cpu.collectives import GlooCollectives
+from .cpu.streams import NullStream, TorchWithCpuStreams, noop_record_stream
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_enabled = False
+#: The releases each patch was written against and tested with. Anything else is refused at
+#: install time (set ``TANGO_FAIRSCALE_SKIP_VERSION_CHECK=1`` to try anyway).
+CHECKED_VERSIONS: Dict[str, Tuple[str, ...]] = {
+    "fairscale": ("0.4.13",),
+    "ai2-tango": ("1.3.",),
+    "torch": ("2.13.",),
+}
+SKIP_VERSION_CHECK_VARIABLE = "TANGO_FAIRSCALE_SKIP_VERSION_CHECK"
+
+__all__ = [
+    "CHECKED_VERSIONS",
+    "IncompatibleVersionError",
+    "NullStream",
+    "cpu_fsdp_enabled",
+    "disable_cpu_fsdp",
+    "enable_cpu_fsdp",
+    "install",
+    "meta_parameter_registration",
+]
+
+
+class IncompatibleVersionError(ImportError):
+    """A patched library is a version, or lacks an attribute, that this package was not checked against."""
+
+
+def _installed_version(distribution: str) -> str:
+    if distribution == "torch":
+        return torch.__version__
+    from importlib.metadata import version
+
+    return version(distribution)
+
+
+def check_version(distribution: str) -> None:
+    """Refuse a release of ``distribution`` outside :data:`CHECKED_VERSIONS`."""
+    found = _installed_version(distribution)
+    checked = CHECKED_VERSIONS[distribution]
+    if any(found == v or (v.endswith(".") and found.startswith(v)) for v in checked):
+        return
+    if os.environ.get(SKIP_VERSION_CHECK_VARIABLE) == "1":
+        logger.warning(
+            "%s %s was not checked with tango-fairscale (checked: %s)", distribution, found, checked
+        )
+        return
+    raise IncompatibleVersionError(
+        f"tango-fairscale patches {distribution} and was checked against {distribution} "
+        f"{' / '.join(v + ('x' if v.endswith('.') else '') for v in checked)}, but {found} is installed. "
+        f"Install a checked version (pip install -e . resolves them), or set "
+        f"{SKIP_VERSION_CHECK_VARIABLE}=1 to run unchecked at your own risk."
+    )
+
+
+def _require_attributes(module: Any, names: Sequence[str], patch: str) -> None:
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise IncompatibleVersionError(
+            f"tango-fairscale patch {patch} rebinds {module.__name__}.{missing}, which this installation "
+            "lacks: the library changed. Install the versions in pyproject.toml."
+        )
+
+
+# --- F5: autocast state of checkpointed recomputation -------------------------------------------
+
+_AutocastState = Tuple[Tuple[str, torch.dtype], ...]
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> _AutocastState:
+    """The device types with autocast on, each with its dtype; empty (falsy) when none is on."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@contextmanager
+def _restore_autocast(state: Any) -> Iterator[None]:
+    """Re-enter the autocast state that :func:`_autocast_state` recorded."""
+    contexts = [torch.autocast(device, dtype=dtype) for device, dtype in (state or ())]
+    for context in contexts:
+        context.__enter__()
+    try:
+        yield
+    finally:
+        for context in reversed(contexts):
+            context.__exit__(None, None, None)
+
+
+def _install_checkpoint_autocast() -> None:
+    from fairscale.nn.checkpoint import checkpoint_activations
+
+    _require_attributes(checkpoint_activations, ("is_autocast_enabled", "autocast"), "F5")
+    checkpoint_activations.is_autocast_enabled = _autocast_state  # type: ignore[assignment]
+    checkpoint_activations.autocast = _restore_autocast  # type: ignore[assignment]
+
+
+# --- T1: Tango's torch::train step ----------------------------------------------------------------
+
+PACKAGE = "tango_fairscale"
+#: ``torch::train``'s default ``distributed_port``.
+TANGO_DEFAULT_PORT = 54761
+
+
+def _wrap_train_step() -> None:
+    from tango.common import util as tango_util
+    from tango.integrations.torch import train as tango_train
+
+    _require_attributes(tango_train, ("TorchTrainStep",), "T1")
+    _require_attributes(tango_train.TorchTrainStep, ("_train",), "T1")
+    _require_attributes(tango_util, ("get_extra_imported_modules",), "T1")
+    step_class = tango_train.TorchTrainStep
+    original: Callable[..., Any] = step_class._train
+    if getattr(original, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(original)
+    def _train(
+        self: Any, model: Any, training_engine: Any, dataset_dict: Any, train_dataloader: Any, **kwargs: Any
+    ) -> Any:
+        from .launch import rendezvous_store
+        from .preflight import preflight, uses_fairscale_engine
+
+        # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
+        tango_util.get_extra_imported_modules().add(PACKAGE)
+        if uses_fairscale_engine(training_engine):
+            preflight(
+                model=model,
+                training_engine=training_engine,
+                dataset_dict=dataset_dict,
+                train_dataloader=train_dataloader,
+                work_dir=self.work_dir,
+                **kwargs,
+            )
+        devices = kwargs.get("devices")
+        if not (devices and len(devices) > 1):
+            return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
+        # (b) Served from this process for the life of the step (see tango_fairscale.launch).
+        configured = getattr(self, "_config", None) or {}
+        with rendezvous_store(
+            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+            set_in_config="distributed_port" in configured,
+        ) as port:
+            kwargs["distributed_port"] = port
+            return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
+
+    _train._tango_fairscale = True  # type: ignore[attr-defined]
+    step_class._train = _train  # type: ignore[method-assign]
+
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Install the patches every process needs (T1, F5), once. Called by ``import tango_fairscale``."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        for distribution in CHECKED_VERSIONS:
+            check_version(distribution)
+        _install_checkpoint_autocast()
+        _wrap_train_step()
+        _installed = True
+
+
+# --- F1-F4: FairScale's FSDP on CPU workers ---------------------------------------------------------
+
+_cpu_lock = threading.Lock()
+_cpu_enabled = False
 # Held for the life of the process: dropping the Library object would unregister the kernel.
 _record_stream_library: Optional[torch.library.Library] = None
 
 
-class NullStream(torch.Stream):
-    """
-    A CPU stand-in for ``torch.cuda.Stream``. It is a real :class:`torch.Stream` (so that
-    ``Tensor.record_stream`` accepts it) whose synchronisation methods do nothing, because
-    CPU work is already ordered.
-    """
+def _fairscale_modules() -> Tuple[Any, Any]:
+    from fairscale.internal import reduce_scatter_bucketer
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "NullStream":
-        return super().__new__(cls, device="cpu")
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
+    _require_attributes(fsdp_module, ("torch", "dist", "enable_nccl_base_collectives"), "F1/F3/F4")
+    _require_attributes(reduce_scatter_bucketer, ("dist", "enable_nccl_base_collectives"), "F3/F4")
+    return fsdp_module, reduce_scatter_bucketer
 
 
-_default_stream = NullStream()
-_current = threading.local()
+def _read_base_collectives_default() -> bool:
+    _, bucketer = _fairscale_modules()
+    return bool(bucketer.enable_nccl_base_collectives)
 
 
-def _current_stream(device: Any = None) -> NullStream:
-    return getattr(_current, "stream", _default_stream)
+_base_collectives_default: Optional[bool] = None
 
 
-@contextmanager
-def _use_stream(stream: Optional[NullStream]) -> Iterator[None]:
-    # FairScale asserts ``current_stream() == the stream it entered`` inside these blocks,
-    # so the stand-in has to track the current stream, per thread, like CUDA does.
-    previous = _current_stream()
-    _current.stream = stream if stream is not None else previous
-    try:
-        yield
-    finally:
-        _current.stream = previous
+def set_collectives(module: Any) -> None:
+    """F4's seam: what FairScale's FSDP module and its bucketer call ``torch.distributed``."""
+    fsdp_module, bucketer = _fairscale_modules()
+    fsdp_module.dist = module
+    bucketer.dist = module
 
 
-def _synchronize(device: Any = None) -> None:
-    pass
+def current_collectives() -> Any:
+    """What FairScale's FSDP module currently calls ``torch.distributed``."""
+    fsdp_module, _ = _fairscale_modules()
+    return fsdp_module.dist
 
 
-class _CudaStreamsOnCpu(types.ModuleType):
-    """What FairScale's FSDP module sees as ``torch.cuda`` once CPU support is enabled."""
-
-    Stream = NullStream
-    current_stream = staticmethod(_current_stream)
-    stream = staticmethod(_use_stream)
-    synchronize = staticmethod(_synchronize)
-
-    @staticmethod
-    def is_available() -> bool:
-        # FairScale only creates its streams (and its gradient reducer) when this is true.
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
-
-class _TorchWithCpuStreams(types.ModuleType):
-    """What FairScale's FSDP module sees as ``torch`` once CPU support is enabled."""
-
-    cuda = _CudaStreamsOnCpu("torch.cuda")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-def _noop_record_stream(tensor: torch.Tensor, stream: Any) -> None:
-    pass
+def _set_base_collectives(enabled: bool) -> None:
+    fsdp_module, bucketer = _fairscale_modules()
+    fsdp_module.enable_nccl_base_collectives = enabled
+    bucketer.enable_nccl_base_collectives = enabled
 
 
 def enable_cpu_fsdp() -> None:
     """
-    Make FairScale's FSDP run with a CPU compute device over the gloo backend.
-    Idempotent and thread-safe; see the module docstring for exactly what it changes.
+    Make FairScale's FSDP run with a CPU compute device over the gloo backend (F1-F4).
+    Idempotent and thread-safe.
     """
-    global _enabled, _record_stream_library
-    with _lock:
-        if _enabled:
+    global _cpu_enabled, _record_stream_library, _base_collectives_default
+    with _cpu_lock:
+        if _cpu_enabled:
             return
-        from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
-
-        fsdp_module.torch = _TorchWithCpuStreams("torch")  # type: ignore[attr-defined]
+        check_version("fairscale")
+        fsdp_module, _ = _fairscale_modules()
+        if _base_collectives_default is None:
+            _base_collectives_default = _read_base_collectives_default()
+        fsdp_module.torch = TorchWithCpuStreams("torch")
         _set_base_collectives(False)
-        _set_collectives(_GlooCollectives("torch.distributed"))
+        set_collectives(GlooCollectives("torch.distributed"))
         library = torch.library.Library("aten", "IMPL")
-        library.impl("record_stream", _noop_record_stream, "CPU")
+        library.impl("record_stream", noop_record_stream, "CPU")
         _record_stream_library = library
-        _enabled = True
+        _cpu_enabled = True
         logger.debug("Enabled FairScale FSDP on CPU workers")
 
 
 def disable_cpu_fsdp() -> None:
     """Undo :func:`enable_cpu_fsdp` (used by tests that check the CUDA path is untouched)."""
-    global _enabled, _record_stream_library
-    with _lock:
-        if not _enabled:
+    global _cpu_enabled, _record_stream_library
+    with _cpu_lock:
+        if not _cpu_enabled:
             return
-        from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
-
-        fsdp_module.torch = torch  # type: ignore[attr-defined]
-        _set_base_collectives(_base_collectives_default)
-        _set_collectives(dist)
+        fsdp_module, _ = _fairscale_modules()
+        fsdp_module.torch = torch
+        _set_base_collectives(bool(_base_collectives_default))
+        set_collectives(dist)
         if _record_stream_library is not None:
             _record_stream_library._destroy()
             _record_stream_library = None
-        _enabled = False
+        _cpu_enabled = False
 
 
 def cpu_fsdp_enabled() -> bool:
     """Whether :func:`enable_cpu_fsdp` is in effect in this process."""
-    return _enabled
+    return _cpu_enabled
 
 
-class _GlooCollectives(types.ModuleType):
+# --- P1: parameters registered on meta ----------------------------------------------------------------
+
+_original_register_parameter = nn.Module.register_parameter
+_meta_lock = threading.Lock()
+_meta_users = 0
+
+
+@contextmanager
+def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], None]) -> Iterator[None]:
     """
-    What FairScale's FSDP module and its reduce-scatter bucketer see as ``torch.distributed``
-    on CPU workers: all-gather and reduce-scatter as rings of point-to-point transfers.
-
-    Each worker sends to the next and receives from the previous, ``world_size - 1`` times,
-    one chunk at a time, so every worker moves ``(world_size - 1) / world_size`` of the buffer
-    each way: the least any all-gather or reduce-scatter can move, and half of what an all-reduce
-    moves. Every call that FairScale makes synchronously with equal-sized contiguous pieces takes
-    the ring; anything else goes to gloo's own collective. Which path is taken depends only on
-    shapes, dtypes and layouts, which are the same on every worker, so workers never disagree.
+    While active (in any thread), ``nn.Module.register_parameter`` calls ``hook(module, name,
+    param)`` after registering a parameter. The rebinding is shared by all threads and counted,
+    so it is removed only when the last user leaves.
     """
+    global _meta_users
 
-    @staticmethod
-    def all_gather(
-        tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> Any:
-        ring = _Ring(group)
-        if async_op or not _ring_compatible(tensor_list, tensor, ring.size):
-            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        mine = tensor_list[ring.rank]
-        if mine.data_ptr() != tensor.data_ptr():
-            mine.copy_(tensor.view_as(mine))
-        # Step s passes on the chunk received in step s - 1 (our own first).
-        for step in range(ring.size - 1):
-            ring.exchange(send=tensor_list[ring.chunk(-step)], receive=tensor_list[ring.chunk(-step - 1)])
-        return None
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        _original_register_parameter(self, name, param)
+        if param is not None:
+            hook(self, name, param)
 
-    @staticmethod
-    def reduce_scatter(
-        output: torch.Tensor,
-        input_list: List[torch.Tensor],
-        op: Any = dist.ReduceOp.SUM,
-        group: Any = None,
-        async_op: bool = False,
-    ) -> Any:
-        ring = _Ring(group)
-        if (
-            async_op
-            or op != dist.ReduceOp.SUM
-            or not _ring_compatible(input_list, output, ring.size)
-            or any(_overlaps(output, piece) for piece in input_list)
-        ):
-            return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
-        # FairScale's inputs are scratch (a gradient bucket, or chunks of a gradient it drops
-        # right after), so partial sums are accumulated in them. ``output`` is the receive
-        # buffer: a partial sum arrives there, is added to our own piece of that chunk, and the
-        # total goes on to the next worker. The chunk this worker keeps arrives last.
-        for step in range(ring.size - 1):
-            ring.exchange(send=input_list[ring.chunk(-step - 1)], receive=output)
-            if step < ring.size - 2:
-                target = input_list[ring.chunk(-step - 2)]
-                target.add_(output.view_as(target))
-        # Floating-point addition commutes exactly, so this is the same sum either way round.
-        mine = input_list[ring.rank].view_as(output)
-        if ring.size == 1:
-            output.copy_(mine)
-        else:
-            output.add_(mine)
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-
-class _Ring:
-    """The workers of a process group in rank order, closed into a ring."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = cast(dist.ProcessGroup, group if group is not None else dist.group.WORLD)
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
-        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        self._previous = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
-
-    def chunk(self, offset: int) -> int:
-        """Index of the chunk ``offset`` places from this worker's own."""
-        return (self.rank + offset) % self.size
-
-    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
-        """Send ``send`` to the next worker while receiving ``receive`` from the previous one."""
-        sending = dist.isend(send, self._next, group=self.group)
-        receiving = dist.irecv(receive, self._previous, group=self.group)
-        for request in (sending, receiving):
-            if request is not None:  # None only for workers outside the group
-                request.wait()
-
-
-def _ring_compatible(pieces: List[torch.Tensor], single: torch.Tensor, world_size: int) -> bool:
-    """
-    Whether ``pieces`` (one per worker) and ``single`` are equal-sized, same-dtype, contiguous
-    CPU tensors.
-    """
-    return (
-        len(pieces) == world_size
-        and single.is_contiguous()
-        and all(
-            piece.is_contiguous()
-            and piece.device.type == "cpu"
-            and piece.dtype == single.dtype
-            and piece.numel() == single.numel()
-            for piece in pieces
-        )
-    )
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share any bytes of memory."""
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
-def _set_collectives(module: Any) -> None:
-    from fairscale.internal import reduce_scatter_bucketer
-    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
-
-    fsdp_module.dist = module  # type: ignore[attr-defined]
-    reduce_scatter_bucketer.dist = module  # type: ignore[attr-defined]
-
-
-def _set_base_collectives(enabled: bool) -> None:
-    from fairscale.internal import reduce_scatter_bucketer
-    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
-
-    fsdp_module.enable_nccl_base_collectives = enabled  # type: ignore[attr-defined]
-    reduce_scatter_bucketer.enable_nccl_base_collectives = enabled  # type: ignore[attr-defined]
-
-
-def _read_base_collectives_default() -> bool:
-    from fairscale.internal import reduce_scatter_bucketer
-
-    return bool(reduce_scatter_bucketer.enable_nccl_base_collectives)
-
-
-_base_collectives_default = _read_base_collectives_default()
-
-
-def fsdp_compute_device_is_cpu() -> bool:
-    """
-    Whether FSDP instances created now should compute on the CPU: true when CUDA is missing,
-    or when the default process group runs on gloo (Tango's choice for CPU workers, also on
-    machines that have fewer GPUs than ``device_count``).
-    """
-    if not torch.cuda.is_available():
-        return True
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-
-
-# glibc's mallopt parameter for the mmap threshold (malloc.h).
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 16 << 20
-
-
-def limit_cpu_heap_growth() -> bool:
-    """
-    Serve allocations of 16 MiB and more with their own memory mappings, returned to the system
-    when freed. FSDP on CPU allocates and frees whole-unit buffers (gathered parameters, their
-    gradients) every step; glibc's default raises its mmap threshold after the first such free
-    (up to 32 MiB), so later ones come from the heap, where they fragment and stay resident.
-    Measured on a 124 M-parameter GPT-2 with 2 workers (model built eagerly), a worker's peak RSS
-    went from 2.81 to 2.38 GiB, at 4.29 instead of 3.52 s per step: fresh mappings are paged in
-    anew. A 1 MiB threshold saved more in an earlier measurement but made every activation a
-    fresh mapping and a step 25 % slower. It is what ``MALLOC_MMAP_THRESHOLD_=16777216`` does, so
-    a value set there is left alone. Linux/glibc only; returns whether the setting was applied.
-    """
-    import ctypes
-    import os
-    import sys
-
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
+    with _meta_lock:
+        if _meta_users == 0:
+            nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        _meta_users += 1
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):  # not glibc
-        return False
+        yield
+    finally:
+        with _meta_lock:
+            _meta_users -= 1
+            if _meta_users == 0:
+                nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]

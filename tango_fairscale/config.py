@@ -13,7 +13,8 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from tango.common import FromParams, Params
 from tango.common.exceptions import ConfigurationError
 
-from .compat import enable_cpu_fsdp, fsdp_compute_device_is_cpu
+from .compat import enable_cpu_fsdp
+from .devices import worker_computes_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ class FSDPConfig(FromParams):
     mixed_precision: bool = False
     """
     Keep FP32 master shards but gather, compute and reduce in :data:`compute_dtype`
-    (FP16 unless set). Pair it with the engine's ``amp: true``; without AMP it can hurt
-    convergence, and the engine warns.
+    (FP16 on GPUs and BF16 on CPU workers unless set). Pair it with the engine's
+    ``amp: true``; without AMP it can hurt convergence, and the engine warns.
     """
 
     flatten_parameters: bool = True
@@ -109,8 +110,9 @@ class FSDPConfig(FromParams):
 
     compute_dtype: Optional[str] = None
     """
-    The dtype of the gathered parameters used in forward and backward. Default: ``float16``
-    with :data:`mixed_precision`, else ``float32``.
+    The dtype of the gathered parameters used in forward and backward. Default: with
+    :data:`mixed_precision`, ``float16`` on GPUs and ``bfloat16`` on CPU workers (whose AMP is
+    bfloat16); else ``float32``.
     """
 
     buffer_dtype: Optional[str] = None
@@ -260,6 +262,20 @@ class FSDPConfig(FromParams):
             kwargs[field.name] = value
         return kwargs
 
+    def resolved_compute_dtype(self, on_cpu: bool) -> torch.dtype:
+        """
+        The dtype FSDP gathers and computes in. With ``mixed_precision`` and no ``compute_dtype``,
+        FairScale's float16, except on CPU workers: there AMP is bfloat16 (float16 AMP needs CUDA
+        loss scaling), and float16 parameters under bfloat16 autocast fail in ops such as LayerNorm
+        that take the input's dtype and the parameters' together.
+        """
+        explicit = parse_dtype("compute_dtype", self.compute_dtype)
+        if explicit is not None:
+            return explicit
+        if not self.mixed_precision:
+            return torch.float32
+        return torch.bfloat16 if on_cpu else torch.float16
+
     def wrap(self, module: torch.nn.Module) -> FSDP:
         """
         Wrap ``module`` in :class:`~fairscale.nn.FullyShardedDataParallel` with these options.
@@ -270,9 +286,11 @@ class FSDPConfig(FromParams):
             Internally this is what :func:`~tango_fairscale.with_wrapped_modules` calls.
         """
         kwargs = self.as_kwargs()
-        if fsdp_compute_device_is_cpu():
+        if worker_computes_on_cpu():
             enable_cpu_fsdp()
             kwargs["compute_device"] = torch.device("cpu")
+            if self.mixed_precision:
+                kwargs["compute_dtype"] = self.resolved_compute_dtype(on_cpu=True)
             if self.move_params_to_cpu or self.move_grads_to_cpu:
                 # Nothing to move on a CPU worker, and FairScale would try to pin memory.
                 logger.debug("move_params_to_cpu/move_grads_to_cpu have no effect on CPU workers")

@@ -4,7 +4,6 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 """
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -23,9 +22,11 @@ from tango.integrations.torch import (
 )
 
 from . import checkpointing
-from .compat import fsdp_compute_device_is_cpu, limit_cpu_heap_growth
 from .config import FSDPConfig
+from .cpu.memory import limit_cpu_heap_growth
+from .devices import devices_are_cpu, worker_computes_on_cpu
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
+from .options import amp_dtype, check_engine_options
 from .registry import register_training_engine
 
 logger = logging.getLogger(__name__)
@@ -94,24 +95,22 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         resume_from_checkpoint: Optional[str] = None,
         init_on_meta: bool = False,
     ) -> None:
-        if not train_config.is_distributed:
-            raise ConfigurationError(
-                f"{type(self).__name__} shards the model across workers, so it needs distributed "
-                "training: set 'device_count' to 2 or more in the torch::train step (it is 1), "
-                'or use the "torch" training engine for a single device.'
-            )
+        on_cpu = devices_are_cpu(train_config.devices)
         self.fsdp_config = fsdp_config or FSDPConfig()
+        check_engine_options(
+            distributed=train_config.is_distributed,
+            device_count=len(train_config.devices or [None]),
+            on_cpu=on_cpu,
+            amp=amp,
+            amp_use_bfloat16=amp_use_bfloat16,
+            max_grad_norm=max_grad_norm,
+            fsdp_config=self.fsdp_config,
+            # Once per run, not once per worker.
+            warn=train_config.worker_id == 0,
+        )
         self.init_on_meta = init_on_meta
-        if train_config.device_type == "cpu":
+        if on_cpu:
             limit_cpu_heap_growth()
-        if self.fsdp_config.mixed_precision and not amp:
-            warnings.warn(
-                "fsdp_config.mixed_precision is true but the engine's 'amp' is false: parameters "
-                "will be gathered in float16 without autocast or loss scaling, which can stop the "
-                "model from converging. Set amp: true as well.",
-                UserWarning,
-                stacklevel=2,
-            )
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
         # and wrong for sharded gradients): construct it without AMP, then set AMP up here.
         super().__init__(
@@ -123,28 +122,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             max_grad_norm=max_grad_norm,
             amp_use_bfloat16=amp_use_bfloat16,
         )
-        if amp_use_bfloat16 is None:
-            amp_use_bfloat16 = train_config.device_type == "cpu"
-        if amp and not amp_use_bfloat16 and train_config.device_type == "cpu":
-            raise ConfigurationError(
-                "amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers: loss scaling "
-                "needs CUDA there. Use bfloat16 (amp_use_bfloat16: true or unset) on CPU."
-            )
-        if (
-            amp
-            and amp_use_bfloat16
-            and self.fsdp_config.mixed_precision
-            and self.fsdp_config.compute_dtype is None
-        ):
-            warnings.warn(
-                "fsdp_config.mixed_precision computes in float16 unless compute_dtype is set, while AMP "
-                "uses bfloat16 without loss scaling: small gradients can underflow. Set "
-                'fsdp_config.compute_dtype: "bfloat16".',
-                UserWarning,
-                stacklevel=2,
-            )
         self.amp = amp
-        self.amp_dtype = torch.bfloat16 if amp_use_bfloat16 else torch.float16
+        self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
         self.grad_scaler = ShardedGradScaler() if amp and self.amp_dtype == torch.float16 else None
         if resume_from_checkpoint is not None:
@@ -189,7 +168,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     @property
     def computes_on_cpu(self) -> bool:
         """Whether the FSDP units of this engine compute on CPU workers."""
-        return self.model.compute_device.type == "cpu"  # type: ignore[union-attr]
+        return worker_computes_on_cpu()
 
     def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
         if isinstance(model, Lazy):
@@ -211,7 +190,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             raise ConfigurationError(
                 f"The model ({type(model).__name__}) has no parameters: there is nothing to shard or train."
             )
-        if not fsdp_compute_device_is_cpu() and not self.fsdp_config.move_params_to_cpu:
+        if not worker_computes_on_cpu() and not self.fsdp_config.move_params_to_cpu:
             model.to(self.train_config.worker_local_default_device)
         self.module_aliases = checkpointing.module_aliases(model)
         return self.fsdp_config.wrap(model)  # type: ignore[return-value]

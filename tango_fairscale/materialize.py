@@ -24,35 +24,37 @@ import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
+from .compat import meta_parameter_registration
+
 logger = logging.getLogger(__name__)
 
 _state = threading.local()
-_original_register_parameter = nn.Module.register_parameter
 
 
 def _moving_to_meta() -> bool:
     return getattr(_state, "depth", 0) > 0 and not getattr(_state, "paused", False)
 
 
-def _register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-    _original_register_parameter(self, name, param)
-    if param is not None and _moving_to_meta() and not param.is_meta:
-        self._parameters[name] = nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
+def _to_meta(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Registration hook: in a thread inside :func:`parameters_on_meta`, move the new parameter to meta."""
+    if _moving_to_meta() and not param.is_meta:
+        module._parameters[name] = nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
 
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Within this context (on this thread), new parameters are moved to the ``meta`` device."""
+    """
+    Within this context (on this thread), new parameters are moved to the ``meta`` device.
+    Other threads are not affected; the registration hook itself is installed process-wide by
+    :func:`tango_fairscale.compat.meta_parameter_registration` (patch P1).
+    """
     depth = getattr(_state, "depth", 0)
-    if depth == 0:
-        nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
     _state.depth = depth + 1
     try:
-        yield
+        with meta_parameter_registration(_to_meta):
+            yield
     finally:
         _state.depth = depth
-        if depth == 0:
-            nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -64,6 +66,11 @@ def real_parameters() -> Iterator[None]:
         yield
     finally:
         _state.paused = paused
+
+
+#: The methods PyTorch's own modules initialise their parameters with (``nn.MultiheadAttention``
+#: has ``_reset_parameters``), in the order they are tried.
+_INITIALISERS = ("reset_parameters", "_reset_parameters")
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -113,9 +120,11 @@ def materialize_module(module: nn.Module, device: torch.device, root: Optional[n
         return 0
     hf_init = _hf_init_function(root if root is not None else module)
     for submodule in touched:
-        reset = getattr(submodule, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        for initialiser in _INITIALISERS:
+            reset = getattr(submodule, initialiser, None)
+            if callable(reset):
+                reset()
+                break
         if hf_init is not None:
             hf_init(submodule)
     uninitialised = [

@@ -15,9 +15,7 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model, Optimizer
 
 from .config import FSDPConfig, parse_dtype
-from .wrapping import _outermost, plan_wrapping
-
-WRAPPER_TYPE = "fairscale::with_wrapped_modules"
+from .wrapping import WRAPPER_TYPE, WrapPlan
 
 #: Per-element optimizer state tensors kept by common optimizers (beyond the parameter itself).
 _STATES_PER_PARAMETER = {
@@ -193,25 +191,20 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
         model_config = dict(wrapper["model"])
     model, built_on = _build(model_config)
 
-    selected = (
-        plan_wrapping(
+    wrap_plan = (
+        WrapPlan.build(
             model,
             wrapper.get("modules_to_wrap"),
             wrap_module_classes=wrapper.get("wrap_module_classes"),
             min_num_params=wrapper.get("min_num_params"),
+            activation_checkpointing=bool(wrapper.get("activation_checkpointing")),
+            fsdp=wrapper.get("fsdp_config") is not None,
         )
-        if wrapper and wrapper.get("fsdp_config") is not None
-        else []
+        if wrapper
+        else None
     )
-    checkpointed: Set[str] = set()
-    if wrapper.get("activation_checkpointing"):
-        all_selected = plan_wrapping(
-            model,
-            wrapper.get("modules_to_wrap"),
-            wrap_module_classes=wrapper.get("wrap_module_classes"),
-            min_num_params=wrapper.get("min_num_params"),
-        )
-        checkpointed = set(_outermost(all_selected))
+    selected = list(wrap_plan.fsdp_units) if wrap_plan else []
+    checkpointed: Set[str] = set(wrap_plan.checkpointed) if wrap_plan else set()
 
     world_size = world_size or int(step.get("device_count", 1))
     if world_size < 1:

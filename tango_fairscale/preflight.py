@@ -8,29 +8,29 @@ config alone is therefore checked here, once, with a :class:`ConfigurationError`
 the field: the engine's and the wrapper's options, the number of workers, the data sampler,
 and the wrap patterns (the model is built on the ``meta`` device, which allocates no memory).
 
-:func:`install` wraps ``TorchTrainStep._train`` once; for steps with any other engine the
-wrapper only passes the call through.
+It runs from the step patch T1 of :mod:`tango_fairscale.compat`, for steps whose engine is
+``"fairscale"``; the rules on the engine's own options are :mod:`tango_fairscale.options`'s,
+shared with the engine.
 """
 
-import functools
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from tango.common import Lazy, Params
 from tango.common.exceptions import ConfigurationError
-from tango.integrations.torch import Model, Sampler, TrainingEngine
-from tango.integrations.torch.train import TorchTrainStep
+from tango.integrations.torch import Sampler, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
 from .config import FSDPConfig
+from .devices import devices_are_cpu
+from .options import check_engine_options
+from .wrapping import WRAPPER_TYPE, check_list_option
 
 logger = logging.getLogger(__name__)
-
-_WRAPPER_TYPE = "fairscale::with_wrapped_modules"
 
 
 def _params_of(lazy: Any) -> Dict[str, Any]:
@@ -41,7 +41,7 @@ def _params_of(lazy: Any) -> Dict[str, Any]:
     return dict(params) if isinstance(params, dict) else {}
 
 
-def _is_fairscale_engine(training_engine: Any) -> bool:
+def uses_fairscale_engine(training_engine: Any) -> bool:
     from .engine import FairScaleTrainingEngine
 
     type_name = _params_of(training_engine).get("type")
@@ -58,35 +58,20 @@ def check_engine(
     engine: Dict[str, Any], device_count: int, work_dir: Optional[Path] = None, on_cpu: bool = False
 ) -> Optional[FSDPConfig]:
     """Validate the engine's options; return its FSDP config (if given)."""
-    if device_count < 2:
-        raise ConfigurationError(
-            'The "fairscale" training engine shards the model across workers, so it needs '
-            f"distributed training: set 'device_count' to 2 or more in the torch::train step (it is "
-            f'{device_count}), or use the "torch" engine for a single device.'
-        )
     fsdp_config = None
     if engine.get("fsdp_config") is not None:
         fsdp_config = FSDPConfig.from_params(Params(dict(engine["fsdp_config"])))
-        if fsdp_config.mixed_precision and not engine.get("amp", False):
-            warnings.warn(
-                "training_engine.fsdp_config.mixed_precision is true but training_engine.amp is "
-                "false: parameters are gathered in float16 without autocast or loss scaling, which "
-                "can stop the model from converging. Set amp: true as well.",
-                UserWarning,
-                stacklevel=2,
-            )
-    if on_cpu and engine.get("amp", False) and engine.get("amp_use_bfloat16") is False:
-        raise ConfigurationError(
-            "training_engine.amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers: "
-            "loss scaling needs CUDA there. Use bfloat16 (amp_use_bfloat16: true or unset) on CPU."
-        )
-    max_grad_norm = engine.get("max_grad_norm")
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0
-    ):
-        raise ConfigurationError(
-            f"training_engine.max_grad_norm: must be a positive number, got {max_grad_norm!r}."
-        )
+    # Warnings come from the engine, on worker 0, so that they are printed once.
+    check_engine_options(
+        distributed=device_count >= 2,
+        device_count=device_count,
+        on_cpu=on_cpu,
+        amp=engine.get("amp", False),
+        amp_use_bfloat16=engine.get("amp_use_bfloat16"),
+        max_grad_norm=engine.get("max_grad_norm"),
+        fsdp_config=fsdp_config,
+        warn=False,
+    )
     source = engine.get("resume_from_checkpoint")
     # A step with its own checkpoint resumes from that and ignores the source.
     has_own = work_dir is not None and (work_dir / "checkpoint_state_latest").exists()
@@ -118,10 +103,66 @@ def check_sampler(dataloader: Dict[str, Any], dataset: Any, name: str) -> None:
         )
 
 
-def check_model(model: Any, engine_fsdp_config: Optional[FSDPConfig]) -> None:
+def check_counts(step_options: Dict[str, Any]) -> None:
+    """``torch::train``'s step counts: Tango would fail on them deep inside training, or never stop."""
+    for name in ("train_steps", "train_epochs", "checkpoint_every", "validate_every", "validation_steps"):
+        value = step_options.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name}: must be a positive whole number, got {value!r}.")
+    for name in ("grad_accum", "log_every"):
+        value = step_options.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name}: must be a positive whole number, got {value!r}.")
+
+
+def batches_per_worker(dataset_size: int, world_size: int, dataloader: Dict[str, Any]) -> int:
+    """How many batches each worker's loader yields per epoch, as a ``DistributedSampler`` splits the data."""
+    sampler = dataloader.get("sampler")
+    sampler_drops = bool(sampler.get("drop_last", False)) if isinstance(sampler, dict) else False
+    per_worker = dataset_size // world_size if sampler_drops else -(-dataset_size // world_size)
+    batch_size = dataloader.get("batch_size", 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        return -1
+    return per_worker // batch_size if dataloader.get("drop_last", False) else -(-per_worker // batch_size)
+
+
+def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: str, world_size: int) -> None:
+    """
+    A loader that yields no batch on some worker makes ``torch::train`` loop over empty epochs
+    forever, at full CPU: refuse it, with the numbers that decide it.
+    """
+    if isinstance(dataset, IterableDataset):
+        return
+    try:
+        size = len(dataset)
+    except TypeError:
+        return
+    batch_size = dataloader.get("batch_size", 1)
+    batches = batches_per_worker(size, world_size, dataloader)
+    if batches < 0:
+        raise ConfigurationError(f"{name}.batch_size: must be a positive whole number, got {batch_size!r}.")
+    if batches == 0:
+        sampler = dataloader.get("sampler")
+        sampler_drops = isinstance(sampler, dict) and sampler.get("drop_last", False)
+        raise ConfigurationError(
+            f"{name}: split {split!r} has {size} example(s); split over world size {world_size}"
+            f"{' with the sampler dropping the remainder' if sampler_drops else ''}, each worker gets "
+            f"{size // world_size if sampler_drops else -(-size // world_size)}, fewer than batch_size "
+            f"{batch_size}{' (with drop_last)' if dataloader.get('drop_last') else ''}, so some worker would "
+            "never get a batch and training would never end. Use more data, fewer workers or a smaller "
+            "batch_size."
+        )
+
+
+def check_model(model: Any, engine_fsdp_config: Optional[FSDPConfig], amp: bool = False) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
     config = _params_of(model) if isinstance(model, Lazy) else {}
-    if config.get("type") == _WRAPPER_TYPE and config.get("fsdp_config") is not None:
+    if config.get("type") == WRAPPER_TYPE:
+        check_list_option("modules_to_wrap", config.get("modules_to_wrap"), "regex strings")
+        check_list_option("wrap_module_classes", config.get("wrap_module_classes"), "class names")
+    if config.get("type") == WRAPPER_TYPE and config.get("fsdp_config") is not None:
         wrapper_fsdp_config = FSDPConfig.from_params(Params(dict(config["fsdp_config"])))
         engine_side = engine_fsdp_config or FSDPConfig()
         precision = [
@@ -129,11 +170,13 @@ def check_model(model: Any, engine_fsdp_config: Optional[FSDPConfig]) -> None:
             for name in ("mixed_precision", "compute_dtype")
             if getattr(wrapper_fsdp_config, name) != getattr(engine_side, name)
         ]
-        if precision:
+        if precision and not amp:
+            # Under autocast each op casts its inputs itself, so units of different dtypes work.
             raise ConfigurationError(
-                f"model.fsdp_config and training_engine.fsdp_config differ in {precision}: the wrapped "
-                "units and the root unit would compute in different dtypes and fail on the first "
-                "forward pass. Give both the same mixed_precision and compute_dtype."
+                f"model.fsdp_config and training_engine.fsdp_config differ in {precision} and "
+                "training_engine.amp is false: the wrapped units and the root unit would compute in "
+                "different dtypes and fail on the first forward pass. Give both the same "
+                "mixed_precision and compute_dtype, or set training_engine.amp: true."
             )
         if engine_fsdp_config is not None and wrapper_fsdp_config != engine_fsdp_config:
             differing = sorted(
@@ -168,18 +211,22 @@ def preflight(
     training_engine: Any,
     dataset_dict: Any,
     train_dataloader: Any,
-    devices: Any,
+    devices: Any = None,
     train_split: str = "train",
     validation_split: Optional[str] = None,
     validation_dataloader: Any = None,
     work_dir: Optional[Path] = None,
+    **step_options: Any,
 ) -> None:
-    """All checks, in the order a user would fix them."""
+    """All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments."""
     engine = _params_of(training_engine)
     devices = list(devices or [])
-    on_cpu = bool(devices) and all(device < 0 for device in devices)  # Tango's -1: a CPU worker
-    fsdp_config = check_engine(engine, len(devices), work_dir, on_cpu)
-    check_sampler(_params_of(train_dataloader), dataset_dict[train_split], "train_dataloader")
+    world_size = len(devices)
+    check_counts(step_options)
+    fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices))
+    train_loader = _params_of(train_dataloader)
+    check_sampler(train_loader, dataset_dict[train_split], "train_dataloader")
+    check_batches(train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size)
     if validation_split is not None:
         loader = validation_dataloader if validation_dataloader is not None else train_dataloader
         name = (
@@ -188,37 +235,5 @@ def preflight(
             else "train_dataloader (used for validation)"
         )
         check_sampler(_params_of(loader), dataset_dict[validation_split], name)
-    check_model(model, fsdp_config)
-
-
-def install() -> None:
-    """Run :func:`preflight` before ``torch::train`` starts a step that uses the ``"fairscale"`` engine."""
-    original: Callable[..., Any] = TorchTrainStep._train
-    if getattr(original, "_tango_fairscale_preflight", False):
-        return
-
-    @functools.wraps(original)
-    def _train(
-        self: TorchTrainStep,
-        model: Any,
-        training_engine: Any,
-        dataset_dict: Any,
-        train_dataloader: Any,
-        **kwargs: Any,
-    ) -> Model:
-        if _is_fairscale_engine(training_engine):
-            preflight(
-                model=model,
-                training_engine=training_engine,
-                dataset_dict=dataset_dict,
-                train_dataloader=train_dataloader,
-                devices=kwargs.get("devices"),
-                train_split=kwargs.get("train_split", "train"),
-                validation_split=kwargs.get("validation_split"),
-                validation_dataloader=kwargs.get("validation_dataloader"),
-                work_dir=self.work_dir,
-            )
-        return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
-
-    _train._tango_fairscale_preflight = True  # type: ignore[attr-defined]
-    TorchTrainStep._train = _train  # type: ignore[method-assign]
+        check_batches(_params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
+    check_model(model, fsdp_config, amp=bool(engine.get("amp", False)))

@@ -8,21 +8,25 @@ import difflib
 import logging
 import re
 import warnings
-from typing import Dict, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from fairscale.nn.checkpoint import checkpoint_wrapper
-from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
-from .compat import fsdp_compute_device_is_cpu
 from .config import FSDPConfig
+from .devices import worker_device
+from .errors import WrapConfigurationError
 from .materialize import has_meta_parameters, materialize_module, real_parameters
 from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
+
+#: The registered name of :func:`with_wrapped_modules`.
+WRAPPER_TYPE = "fairscale::with_wrapped_modules"
 
 
 def silence_false_gradients_warning() -> None:
@@ -44,18 +48,32 @@ def silence_false_gradients_warning() -> None:
 silence_false_gradients_warning()
 
 
-def _compile_patterns(patterns: Iterable[str]) -> List[Tuple[str, Pattern[str]]]:
+def check_list_option(name: str, value: Any, what: str) -> None:
+    """
+    ``modules_to_wrap`` and ``wrap_module_classes`` must be lists: Tango's config conversion would
+    turn a bare string into the set of its characters. Pre-flight calls this on the raw config.
+    """
+    if value is None or (isinstance(value, (list, tuple, set, frozenset)) and not isinstance(value, str)):
+        return
+    hint = f" Write it as a list, e.g. [{value!r}]." if isinstance(value, str) else ""
+    raise WrapConfigurationError(
+        f"with_wrapped_modules.{name}: expected a list of {what}, got {type(value).__name__} {value!r}.{hint}"
+    )
+
+
+def _compile_patterns(patterns: Any) -> List[Tuple[str, Pattern[str]]]:
+    check_list_option("modules_to_wrap", patterns, "regex strings")
     compiled = []
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.modules_to_wrap: every entry must be a regex string, "
                 f"got {type(pattern).__name__} {pattern!r}."
             )
         try:
             compiled.append((pattern, re.compile(pattern)))
         except re.error as error:
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.modules_to_wrap: {pattern!r} is not a valid regular "
                 f"expression ({error})."
             ) from None
@@ -92,10 +110,10 @@ def plan_wrapping(
     modules = dict(model.named_modules())
     selected: Dict[str, str] = {}
 
-    patterns = _compile_patterns(modules_to_wrap or ())
+    patterns = _compile_patterns(modules_to_wrap if modules_to_wrap is not None else [])
     for pattern, regex in patterns:
         if regex.fullmatch(""):
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.modules_to_wrap: {pattern!r} matches the root module "
                 "(its name is the empty string). The training engine wraps the root itself; "
                 'match submodules only, e.g. r"layers\\.[0-9]+".'
@@ -103,7 +121,7 @@ def plan_wrapping(
         hits = [name for name in names if regex.fullmatch(name)]
         if not hits:
             near = _nearest_names(pattern, names)
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.modules_to_wrap: {pattern!r} matches no submodule of "
                 f"{type(model).__name__}. Patterns must match a whole name from named_modules(). "
                 f"Nearest names: {near}."
@@ -111,6 +129,7 @@ def plan_wrapping(
         for name in hits:
             selected.setdefault(name, f"pattern {pattern!r}")
 
+    check_list_option("wrap_module_classes", wrap_module_classes, "class names")
     classes = list(wrap_module_classes or ())
     if classes:
         present = {type(modules[name]).__name__ for name in names}
@@ -118,12 +137,12 @@ def plan_wrapping(
             if class_name in present:
                 continue
             if class_name == type(model).__name__:
-                raise ConfigurationError(
+                raise WrapConfigurationError(
                     f"with_wrapped_modules.wrap_module_classes: {class_name!r} is only the root "
                     "module's own class. The training engine wraps the root itself; list the "
                     "classes of submodules (e.g. the transformer block class)."
                 )
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.wrap_module_classes: no submodule of "
                 f"{type(model).__name__} has class {class_name!r}. "
                 f"Classes present: {sorted(present)}."
@@ -134,7 +153,7 @@ def plan_wrapping(
 
     if min_num_params is not None:
         if isinstance(min_num_params, bool) or not isinstance(min_num_params, int) or min_num_params < 1:
-            raise ConfigurationError(
+            raise WrapConfigurationError(
                 f"with_wrapped_modules.min_num_params: must be a positive integer, got {min_num_params!r}."
             )
         for name in _smallest_modules_with(model, min_num_params, already=set(selected)):
@@ -190,19 +209,53 @@ def _disable_hf_kv_cache(model: nn.Module) -> None:
             )
 
 
-def _worker_device() -> torch.device:
-    if fsdp_compute_device_is_cpu():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child_name = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent.add_module(child_name, new)
 
 
-@register_model_constructor("fairscale::with_wrapped_modules")
+@dataclass(frozen=True)
+class WrapPlan:
+    """
+    What :func:`with_wrapped_modules` does to a model, decided once from its options: the one
+    wrap plan that the wrapper applies and that pre-flight, ``plan`` and the backends read.
+    """
+
+    selected: Tuple[str, ...]
+    """Qualified names of the selected submodules, deepest first (the order they are wrapped in)."""
+
+    checkpointed: FrozenSet[str]
+    """The selected submodules whose activations are checkpointed: the outermost ones, when asked for."""
+
+    fsdp: bool
+    """Whether the selected submodules become FSDP units (an ``fsdp_config`` was given)."""
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        modules_to_wrap: Optional[Iterable[str]] = None,
+        *,
+        wrap_module_classes: Optional[Iterable[str]] = None,
+        min_num_params: Optional[int] = None,
+        activation_checkpointing: bool = False,
+        fsdp: bool = True,
+    ) -> "WrapPlan":
+        """Select the submodules of ``model`` (see :func:`plan_wrapping`); ``model`` is not changed."""
+        selected = plan_wrapping(
+            model, modules_to_wrap, wrap_module_classes=wrap_module_classes, min_num_params=min_num_params
+        )
+        checkpointed = frozenset(_outermost(selected)) if activation_checkpointing else frozenset()
+        return cls(selected=tuple(selected), checkpointed=checkpointed, fsdp=fsdp)
+
+    @property
+    def fsdp_units(self) -> Tuple[str, ...]:
+        """The submodules that become FSDP units of their own (none without an ``fsdp_config``)."""
+        return self.selected if self.fsdp else ()
+
+
+@register_model_constructor(WRAPPER_TYPE)
 def with_wrapped_modules(
     model: Model,
     modules_to_wrap: Optional[Set[str]] = None,
@@ -253,34 +306,38 @@ def with_wrapped_modules(
         memory until backward. Saves GPU memory, costs transfers; no effect on CPU workers.
     """
     if not modules_to_wrap and not wrap_module_classes and min_num_params is None:
-        raise ConfigurationError(
+        raise WrapConfigurationError(
             "with_wrapped_modules: nothing to wrap. Give modules_to_wrap (regexes), "
             "wrap_module_classes (class names) or min_num_params."
         )
     if offload_activations and not activation_checkpointing:
-        raise ConfigurationError(
+        raise WrapConfigurationError(
             "with_wrapped_modules.offload_activations: true needs activation_checkpointing: true."
         )
     if not list(model.parameters()):
-        raise ConfigurationError(
+        raise WrapConfigurationError(
             f"with_wrapped_modules: {type(model).__name__} has no parameters, so there is "
             "nothing to shard or train."
         )
 
-    selected = plan_wrapping(
+    plan = WrapPlan.build(
         model,
         modules_to_wrap,
         wrap_module_classes=wrap_module_classes,
         min_num_params=min_num_params,
+        activation_checkpointing=activation_checkpointing,
+        fsdp=fsdp_config is not None,
     )
-    use_fsdp = fsdp_config is not None and dist.is_available() and dist.is_initialized()
-    to_checkpoint = set(_outermost(selected)) if activation_checkpointing else set()
+    # The model Tango builds in the main process for the final weights has no process group:
+    # it gets checkpointing only, and keeps the plain model's parameter names.
+    use_fsdp = plan.fsdp and dist.is_available() and dist.is_initialized()
+    selected, to_checkpoint = plan.selected, plan.checkpointed
     if to_checkpoint:
         _disable_hf_kv_cache(model)
 
     # FairScale expects offloaded parameters to start on the CPU.
     offload = fsdp_config is not None and fsdp_config.move_params_to_cpu
-    device = torch.device("cpu") if offload or not use_fsdp else _worker_device()
+    device = torch.device("cpu") if offload or not use_fsdp else worker_device()
     # Deepest first, so that a parent is wrapped after (and around) its wrapped children.
     # Parameters built on meta (the engine's init_on_meta) are allocated one unit at a time,
     # right before the unit is sharded.

@@ -197,3 +197,29 @@ class HFGPT2(Model):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"loss": self.gpt2(input_ids=input_ids, labels=labels).loss}
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.linear(self.norm(x)))
+
+
+@Model.register("test::norm_regressor")
+class NormRegressor(Model):
+    """The toy regressor's shape with a LayerNorm in every block (as in transformer blocks)."""
+
+    def __init__(self, in_features: int = 8, width: int = 32, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.blocks = torch.nn.Sequential(*[_NormBlock(width) for _ in range(num_blocks)])
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        prediction = self.head(self.norm(self.blocks(self.input(x)))).squeeze(-1).float()
+        return {"loss": torch.nn.functional.mse_loss(prediction, y)}

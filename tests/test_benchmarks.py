@@ -13,7 +13,6 @@ from benchmarks.gpu import MODELS, matmul_parameters, peak_tflops_for, training_
 from benchmarks.run import CONFIGS
 from tests.helpers import REPO
 
-pytestmark = pytest.mark.slow
 
 
 def run_benchmarks(*arguments: str, timeout: float = 600) -> "subprocess.CompletedProcess[str]":
@@ -28,6 +27,7 @@ def run_benchmarks(*arguments: str, timeout: float = 600) -> "subprocess.Complet
     )
 
 
+@pytest.mark.slow
 def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     result = run_benchmarks(
         "--quick",
@@ -67,6 +67,7 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     # The GPU mode's harness (engine on world size 1, timing, tokens/s, MFU, report) on the CPU,
     # where only fp32 applies; the AMP configurations are reported as skipped.

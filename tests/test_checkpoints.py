@@ -82,11 +82,18 @@ def test_sigkill_after_checkpoint_then_rerun_matches(
     )
     try:
 
-        def marker() -> object:
-            pattern = "cache/TorchTrainStep-*/work/checkpoint_state_step6/COMPLETE.json"
-            return next(iter(workspace.glob(pattern)), None)
+        def latest_is_step6() -> bool:
+            # Tango points checkpoint_state_latest at a checkpoint only after the engine's
+            # save_checkpoint returned (the marker is written inside it): kill once the link
+            # has moved, so that the re-run must resume from step 6 or later.
+            for link in workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"):
+                try:
+                    return os.path.basename(os.readlink(link)) == "checkpoint_state_step6"
+                except OSError:  # replaced right now: look again
+                    return False
+            return False
 
-        wait_for(lambda: marker() is not None, 240, "the step-6 checkpoint")
+        wait_for(latest_is_step6, 240, "checkpoint_state_latest to point at the step-6 checkpoint")
         os.killpg(process.pid, signal.SIGKILL)  # the main process and both workers
         process.wait(timeout=30)
     finally:
@@ -248,8 +255,6 @@ def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: P
     assert "Refusing to load" in cli.stderr and "worker1_optimizer.pt" in cli.stderr
     assert not evidence.exists()
     # Sanity: the payload does run under plain unpickling, so the refusals above are real.
-    with open(tampered / "worker1_optimizer.pt", "rb"):
-        pass
     pickle.loads(pickle.dumps(CreatesFile(evidence)))
     assert evidence.exists()
 
@@ -282,65 +287,6 @@ def test_consolidate_command(two_worker_run: Path, tmp_path: Path) -> None:
         max_abs_difference(full["model"], torch.load(two_worker_run / "weights.pt", weights_only=True)) == 0.0
     )
     assert set(full["optimizer"]["state"]) == set(full["model"])
-
-
-@pytest.mark.parametrize(
-    "make, fragment",
-    [
-        (lambda d: None, "is not a tango-fairscale checkpoint"),
-        (lambda d: torch.save({}, d / "worker0_model.pt"), "is an incomplete checkpoint"),
-    ],
-)
-def test_consolidate_refuses_foreign_or_incomplete_dirs(make: Any, fragment: str, tmp_path: Path) -> None:
-    make(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "tango_fairscale", "consolidate", str(tmp_path), str(tmp_path / "out.pt")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert fragment in result.stderr
-    assert not (tmp_path / "out.pt").exists()
-
-
-def test_reshard_takes_each_workers_chunk_of_the_unpadded_whole() -> None:
-    # Ten elements saved by 3 workers in FairScale's layout (chunks of 4, the last padded by 2),
-    # resharded onto 1 to 7 workers: each chunk of the whole, the last padded with zeros.
-    whole = torch.arange(1.0, 11.0)
-    saved = [torch.tensor([1.0, 2, 3, 4]), torch.tensor([5.0, 6, 7, 8]), torch.tensor([9.0, 10, 0, 0])]
-    paddings = [{"p": 0}, {"p": 0}, {"p": 2}]
-    for world_size in range(1, 8):
-        shard_numel = -(-whole.numel() // world_size)
-        for rank in range(world_size):
-            expected = torch.zeros(shard_numel)
-            piece = whole[rank * shard_numel : (rank + 1) * shard_numel]
-            expected[: piece.numel()] = piece
-            got = checkpointing._reshard("p", saved, paddings, shard_numel, rank)
-            assert torch.equal(got, expected), (world_size, rank)
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
-def test_safe_load_can_map_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "worker0_model.pt"
-    torch.save({"weights": {"w": torch.arange(1000.0)}}, path)
-    mapped = checkpointing.safe_load(path, mmap=True)
-    assert torch.equal(mapped["weights"]["w"], torch.arange(1000.0))
-    assert str(path) in Path("/proc/self/maps").read_text()
-
-
-def test_marker_lists_every_file_a_worker_must_have(tmp_path: Path) -> None:
-    for worker in range(2):
-        for name in ("model", "optimizer", "trainer"):
-            torch.save({}, checkpointing.worker_file(tmp_path, worker, name))
-    checkpointing.write_marker(tmp_path, world_size=2, extra={"files": ["model", "optimizer", "trainer"]})
-    assert checkpointing.is_complete(tmp_path)
-    assert checkpointing.require_complete(tmp_path)["world_size"] == 2
-    checkpointing.worker_file(tmp_path, 1, "optimizer").unlink()
-    assert not checkpointing.is_complete(tmp_path)
-    with pytest.raises(CheckpointError, match=r"incomplete: missing \['worker1_optimizer.pt'\]"):
-        checkpointing.require_complete(tmp_path)
 
 
 @pytest.mark.parametrize("marker_lists_files", [True, False], ids=["marker-lists-files", "older-marker"])

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tango_fairscale.compat import _GlooCollectives
+from tango_fairscale.cpu.collectives import GlooCollectives
 from tests.helpers import free_port
 
 
@@ -19,7 +19,7 @@ def _gloo_reduce_scatter(full: torch.Tensor) -> torch.Tensor:
 
 def _check(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    ours = _GlooCollectives("torch.distributed")
+    ours = GlooCollectives("torch.distributed")
     generator = torch.Generator().manual_seed(rank)
 
     # all_gather copies, so any floats must come back bit for bit: into back-to-back chunks of

@@ -4,6 +4,7 @@ import torch
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
 from tango_fairscale import compat
+from tango_fairscale.cpu import collectives, memory, streams
 
 
 def test_enable_is_scoped_and_reversible() -> None:
@@ -31,40 +32,107 @@ def test_enable_is_scoped_and_reversible() -> None:
 
 
 def test_stream_context_tracks_the_current_stream() -> None:
-    streams = compat._CudaStreamsOnCpu("torch.cuda")
-    side = streams.Stream()
-    before = streams.current_stream()
-    with streams.stream(side):
-        assert streams.current_stream() is side
-    assert streams.current_stream() is before
+    cuda = streams.CudaStreamsOnCpu("torch.cuda")
+    side = cuda.Stream()
+    before = cuda.current_stream()
+    with cuda.stream(side):
+        assert cuda.current_stream() is side
+    assert cuda.current_stream() is before
 
 
 def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import sys
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
-    assert compat.limit_cpu_heap_growth() is False
+    assert memory.limit_cpu_heap_growth() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert compat.limit_cpu_heap_growth() is sys.platform.startswith("linux")
+    assert memory.limit_cpu_heap_growth() is sys.platform.startswith("linux")
 
 
 def test_ring_takes_only_equal_contiguous_pieces() -> None:
     buffer = torch.arange(12.0)
-    assert compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 3)
+    assert collectives.ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 3)
     # One piece per worker, no more and no fewer.
-    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 2)
+    assert not collectives.ring_compatible(list(buffer.chunk(3)), torch.zeros(4), 2)
     # Rows of a partly used 2-D bucket are contiguous each, with gaps between them: fine.
     bucket = torch.zeros(2, 6)
-    assert compat._ring_compatible(list(bucket[:, :4].unbind(0)), torch.zeros(4), 2)
+    assert collectives.ring_compatible(list(bucket[:, :4].unbind(0)), torch.zeros(4), 2)
     # Columns are strided; sizes or dtypes that differ from the single tensor are not taken.
-    assert not compat._ring_compatible(list(bucket.unbind(1)), torch.zeros(2), 6)
-    assert not compat._ring_compatible([buffer[:4], buffer[4:10]], torch.zeros(4), 2)
-    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(4, dtype=torch.float64), 3)
-    assert not compat._ring_compatible(list(buffer.chunk(3)), torch.zeros(8)[::2], 3)
+    assert not collectives.ring_compatible(list(bucket.unbind(1)), torch.zeros(2), 6)
+    assert not collectives.ring_compatible([buffer[:4], buffer[4:10]], torch.zeros(4), 2)
+    assert not collectives.ring_compatible(list(buffer.chunk(3)), torch.zeros(4, dtype=torch.float64), 3)
+    assert not collectives.ring_compatible(list(buffer.chunk(3)), torch.zeros(8)[::2], 3)
 
 
 def test_overlaps() -> None:
     buffer = torch.arange(12.0)
-    assert compat._overlaps(buffer[:4], buffer[3:6])
-    assert not compat._overlaps(buffer[:4], buffer[4:8])
-    assert not compat._overlaps(torch.zeros(3), torch.zeros(3))
+    assert collectives.overlaps(buffer[:4], buffer[3:6])
+    assert not collectives.overlaps(buffer[:4], buffer[4:8])
+    assert not collectives.overlaps(torch.zeros(3), torch.zeros(3))
+
+
+def test_unchecked_versions_are_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    monkeypatch.delenv(compat.SKIP_VERSION_CHECK_VARIABLE, raising=False)
+    monkeypatch.setitem(compat.CHECKED_VERSIONS, "fairscale", ("0.4.12",))
+    with pytest.raises(
+        compat.IncompatibleVersionError, match=r"checked against fairscale 0\.4\.12, but 0\.4\.13"
+    ):
+        compat.check_version("fairscale")
+    monkeypatch.setenv(compat.SKIP_VERSION_CHECK_VARIABLE, "1")
+    compat.check_version("fairscale")  # warns only
+
+
+def test_missing_attribute_is_refused_before_patching() -> None:
+    import types
+
+    import pytest
+
+    module = types.ModuleType("fairscale.somewhere")
+    with pytest.raises(
+        compat.IncompatibleVersionError, match=r"patch F9 rebinds fairscale.somewhere.\['dist'\]"
+    ):
+        compat._require_attributes(module, ["dist"], "F9")
+
+
+def test_checkpoint_autocast_patch_restores_cpu_bfloat16() -> None:
+    from fairscale.nn.checkpoint import checkpoint_activations
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = checkpoint_activations.is_autocast_enabled()
+    assert state == (("cpu", torch.bfloat16),)
+    assert not checkpoint_activations.is_autocast_enabled()  # falsy outside autocast
+    with checkpoint_activations.autocast(state):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_meta_registration_is_counted_across_threads() -> None:
+    import threading
+
+    import torch.nn as nn
+
+    original = nn.Module.register_parameter
+    seen = []
+    entered, release = threading.Event(), threading.Event()
+
+    def hook(module: nn.Module, name: str, param: nn.Parameter) -> None:
+        seen.append(name)
+
+    def other_thread() -> None:
+        with compat.meta_parameter_registration(hook):
+            entered.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    entered.wait(5)
+    with compat.meta_parameter_registration(hook):
+        pass  # this thread leaves first ...
+    nn.Linear(2, 2)  # ... and the other thread's registration is still in effect
+    assert seen == ["weight", "bias"]
+    release.set()
+    thread.join()
+    assert nn.Module.register_parameter is original

@@ -88,21 +88,29 @@ def test_fp32_matches_plain_training(train_config: TrainConfig) -> None:
     assert losses == pytest.approx(reference_losses(data), abs=1e-5)
 
 
+#: float16 compute against float32 training of the same model on the same batches: each loss
+#: within this fraction of the float32 run's (the toy's losses are of order 1, and float16 keeps
+#: about 3 significant digits per operation).
+HALF_PRECISION_RELATIVE_TOLERANCE = 0.05
+
+
 def test_amp_fp16_uses_sharded_grad_scaler(train_config: TrainConfig) -> None:
     from fairscale.optim.grad_scaler import ShardedGradScaler
 
+    data = batches(20)
     engine = make_engine(train_config, amp=True, fsdp_config=FSDPConfig(mixed_precision=True))
     assert isinstance(engine.grad_scaler, ShardedGradScaler)
-    losses = train(engine, batches(20))
-    assert all(torch.isfinite(torch.tensor(losses)))
+    losses = train(engine, data)
     assert engine.grad_scaler.get_scale() > 0
-    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(reference_losses(data), rel=HALF_PRECISION_RELATIVE_TOLERANCE)
 
 
 def test_cpu_offload_checkpoint_and_consolidate(train_config: TrainConfig) -> None:
+    data = batches(10)
     engine = make_engine(train_config, fsdp_config=FSDPConfig(move_params_to_cpu=True))
-    losses = train(engine, batches(10))
-    assert losses[-1] < losses[0]
+    losses = train(engine, data)
+    # Offloading moves where the float32 shards live, not what is computed.
+    assert losses == pytest.approx(reference_losses(data), abs=1e-5)
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     engine.save_checkpoint(train_config.work_dir / "ckpt", {"training_steps": 10})
     full = checkpointing.consolidate_model_state(

@@ -1,17 +1,16 @@
 """
-Every bad config fails fast with a ConfigurationError naming the field (or warns), through the
-real CLI: before workers are spawned where the config alone tells, otherwise from the worker.
+Every bad config fails fast with a ConfigurationError naming the field (or warns): before workers
+are spawned where the config alone tells (tested on :func:`tango_fairscale.preflight.preflight`
+directly, and through the real CLI for one case), otherwise from the worker (through the CLI).
 """
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import pytest
 
 from tests.helpers import run_tango, train_config
-
-pytestmark = pytest.mark.slow
 
 Config = Dict[str, Any]
 
@@ -128,10 +127,24 @@ CASES = [
         True,
     ),
     (
-        "mixed precision in the engine only",
-        engine(fsdp_config={"mixed_precision": True}, amp=True),
+        "mixed precision in the engine only, without amp",
+        engine(fsdp_config={"mixed_precision": True}),
         "ConfigurationError",
-        "differ in ['mixed_precision']: the wrapped units and the root unit would compute",
+        "differ in ['mixed_precision'] and training_engine.amp is false: the wrapped units and the root",
+        True,
+    ),
+    (
+        "max_grad_norm not positive",
+        engine(max_grad_norm=0),
+        "ConfigurationError",
+        "training_engine.max_grad_norm: must be a positive number, got 0",
+        True,
+    ),
+    (
+        "modules_to_wrap given as a string",
+        wrapper(modules_to_wrap="blocks\\.[0-9]+"),
+        "ConfigurationError",
+        "modules_to_wrap: expected a list of regex strings, got str",
         True,
     ),
     (
@@ -164,13 +177,108 @@ WARNINGS = [
 ]
 
 
-def bad_run(change: Callable[[Config], None], tmp_path: Path) -> Any:
+def bad_config(change: Callable[[Config], None]) -> Config:
     config = train_config(engine="fairscale", wrap="nested", train_steps=4, checkpoint_every=2, callbacks=[])
     change(config)
-    return run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=120)
+    return config
 
 
-@pytest.mark.parametrize("case, change, error, fragment, before_spawn", CASES, ids=[c[0] for c in CASES])
+def bad_run(change: Callable[[Config], None], tmp_path: Path) -> Any:
+    return run_tango(bad_config(change), tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=120)
+
+
+def run_preflight(config: Config) -> None:
+    """What the step patch does in Tango's main process, on the config's own objects."""
+    from tango.common import Lazy, Params
+    from tango.integrations.torch import DataLoader, Model, TrainingEngine
+
+    from examples.toy.components import RegressionData
+    from tango_fairscale.preflight import preflight
+
+    step = train(config)
+    data = config["steps"]["data"]
+    dataset = RegressionData().run(**{k: v for k, v in data.items() if k != "type"})
+    options = {
+        key: value
+        for key, value in step.items()
+        if key in ("train_steps", "train_epochs", "checkpoint_every", "validate_every", "grad_accum")
+    }
+    preflight(
+        model=Lazy(Model, Params(step["model"])),
+        training_engine=Lazy(TrainingEngine, Params(step["training_engine"])),
+        dataset_dict=dataset,
+        train_dataloader=Lazy(DataLoader, Params(step["train_dataloader"])),
+        devices=[-1] * step["device_count"],
+        **options,
+    )
+
+
+def data(**changes: Any) -> Callable[[Config], None]:
+    return lambda config: config["steps"]["data"].update(changes)
+
+
+def loader(**changes: Any) -> Callable[[Config], None]:
+    return lambda config: train(config)["train_dataloader"].update(changes)
+
+
+CASES += [
+    (
+        "negative train_steps",
+        set_train(train_steps=-5),
+        "ConfigurationError",
+        "train_steps: must be a positive",
+        True,
+    ),
+    (
+        "checkpoint_every 0",
+        set_train(checkpoint_every=0),
+        "ConfigurationError",
+        "checkpoint_every: must be a positive whole number, got 0",
+        True,
+    ),
+    (
+        "one example for two workers",
+        data(train_size=1),
+        "ConfigurationError",
+        "split 'train' has 1 example(s); split over world size 2",
+        True,
+    ),
+    (
+        "twenty examples, batches of 16, drop_last",
+        lambda config: (data(train_size=20)(config), loader(batch_size=16, drop_last=True)(config)),
+        "ConfigurationError",
+        "each worker gets 10, fewer than batch_size 16 (with drop_last)",
+        True,
+    ),
+]
+
+MAIN_PROCESS_CASES = [case for case in CASES if case[4]]
+
+
+@pytest.mark.parametrize(
+    "case, change, error, fragment, before_spawn", MAIN_PROCESS_CASES, ids=[c[0] for c in MAIN_PROCESS_CASES]
+)
+def test_preflight_refuses(case: str, change: Any, error: str, fragment: str, before_spawn: bool) -> None:
+    from tango.common.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError) as raised:
+        run_preflight(bad_config(change))
+    assert type(raised.value).__name__ in (error, "WrapConfigurationError")
+    assert fragment in str(raised.value)
+
+
+def test_preflight_accepts_mixed_precision_that_differs_under_amp() -> None:
+    run_preflight(bad_config(engine(fsdp_config={"mixed_precision": True}, amp=True)))
+
+
+# One case found in the main process and one only a worker can find, through the real CLI.
+CLI_CASES = [case for case in CASES if case[0] in ("pattern matching nothing", "forward returns no loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, change, error, fragment, before_spawn", CLI_CASES, ids=[c[0] for c in CLI_CASES]
+)
 def test_bad_config(
     case: str, change: Any, error: str, fragment: str, before_spawn: bool, tmp_path: Path
 ) -> None:
@@ -182,6 +290,7 @@ def test_bad_config(
     assert ("[rank " not in output) is before_spawn, output[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, change, fragment", WARNINGS, ids=[c[0] for c in WARNINGS])
 def test_warning(case: str, change: Any, fragment: str, tmp_path: Path) -> None:
     result = bad_run(change, tmp_path)
@@ -190,6 +299,7 @@ def test_warning(case: str, change: Any, fragment: str, tmp_path: Path) -> None:
     assert fragment in output, output[-3000:]
 
 
+@pytest.mark.slow
 def test_one_worker_failing_ends_the_run_quickly(tmp_path: Path) -> None:
     config = train_config(
         engine="fairscale",
@@ -208,11 +318,6 @@ def test_one_worker_failing_ends_the_run_quickly(tmp_path: Path) -> None:
     assert elapsed < 60
 
 
-def test_valid_config_passes_preflight(tmp_path: Optional[Path] = None) -> None:
-    from tango.common import Lazy, Params
-    from tango.integrations.torch import Model
-
-    from tango_fairscale.preflight import check_model
-
-    model = Lazy(Model, Params(train_config(wrap="nested_ckpt")["steps"]["train"]["model"]))
-    check_model(model, None)  # builds on meta without raising
+def test_valid_config_passes_preflight() -> None:
+    # The same path the refusals above take, on the unchanged config: nothing is raised.
+    run_preflight(bad_config(lambda config: None))

@@ -122,3 +122,23 @@ def test_model_without_parameters() -> None:
 
     with pytest.raises(ConfigurationError, match="Empty has no parameters"):
         with_wrapped_modules(Empty(), {"inner"})  # type: ignore[arg-type]
+
+
+def test_wrap_errors_are_also_value_errors() -> None:
+    # ai2-tango's bundled integration raised ValueError for a pattern matching nothing.
+    with pytest.raises(ValueError, match="matches no submodule"):
+        with_wrapped_modules(ToyRegressor(), modules_to_wrap=["nothing\\.here"])
+    with pytest.raises(ConfigurationError, match="matches no submodule"):
+        with_wrapped_modules(ToyRegressor(), modules_to_wrap=["nothing\\.here"])
+
+
+def test_wrap_plan_is_the_one_selection() -> None:
+    from tango_fairscale import WrapPlan
+
+    model = ToyRegressor(in_features=8, width=16, num_blocks=3)
+    plan = WrapPlan.build(model, ["blocks", "blocks\\.[0-9]+"], activation_checkpointing=True)
+    # Deepest first; only the outermost selected module is checkpointed.
+    assert plan.selected == ("blocks.0", "blocks.1", "blocks.2", "blocks")
+    assert plan.checkpointed == frozenset({"blocks"})
+    assert plan.fsdp_units == plan.selected
+    assert WrapPlan.build(model, ["blocks"], fsdp=False).fsdp_units == ()

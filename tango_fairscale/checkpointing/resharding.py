@@ -1,204 +1,15 @@
 """
-Sharded training checkpoints: written atomically per worker, counted only once complete,
-read back with ``torch.load(..., weights_only=True)``, and consolidated offline.
-
-A checkpoint is a directory (Tango's ``checkpoint_state_step<N>``) holding, per worker ``r``::
-
-    worker{r}_model.pt         {"weights": FSDP local (sharded) state dict, "metadata": FSDP shard metadata}
-    worker{r}_optimizer.pt     the optimizer state of that worker's shard
-    worker{r}_lr_scheduler.pt  (when there is a scheduler)
-    worker{r}_grad_scaler.pt   (when there is a grad scaler)
-    worker{r}_trainer.pt       Tango's trainer state (step, best metric, callbacks)
-
-and, written by worker 0 after every worker has finished its files, the marker
-``COMPLETE.json``. A directory without the marker is an interrupted save and is never resumed
-from.
-
-The model file also records, in ``"optimizer_keys"``, which flat parameter each optimizer
-state entry belongs to. With the shard padding in the metadata, that is enough to rebuild the
-full (unsharded) model and optimizer state offline, and to reshard both for another number of
-workers (:func:`reshard_model_weights`, :func:`reshard_optimizer_state`).
+The arithmetic of FairScale's sharded state: each flat parameter split into equal chunks, the
+last one padded with zeros. Rebuilding the full model and optimizer state offline
+(consolidation), and cutting a checkpoint saved by N workers into the shards of M workers
+(resharding), without ever assembling a full tensor for the latter.
 """
 
-import json
-import os
-import pickle
-import uuid
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-from .errors import CheckpointError
-
-MARKER = "COMPLETE.json"
-FORMAT_VERSION = 1
-STATE_NAMES = ("model", "optimizer", "lr_scheduler", "grad_scaler", "trainer")
-
-
-def worker_file(checkpoint_dir: Path, worker: int, name: str) -> Path:
-    """The path of one worker's file of a given kind (``"model"``, ``"optimizer"``, ...)."""
-    return Path(checkpoint_dir) / f"worker{worker}_{name}.pt"
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """
-    ``torch.save`` to a temporary file in the same directory, flushed to disk, then renamed
-    over ``path``: a reader sees the old file or the whole new one, never a partial write.
-    """
-    path = Path(path)
-    # A unique sibling name (not tempfile's 0600 files), so the result gets the usual permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def fsync_directory(directory: Path) -> None:
-    """Flush a directory's entries (the renames into it) to disk, where the OS allows it."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
-
-
-def safe_load(path: Path, mmap: bool = False) -> Any:
-    """
-    ``torch.load(path, map_location="cpu", weights_only=True)``: tensors, containers and plain
-    values only. A file that needs anything else (a pickled object or callable) is refused
-    before any of it runs, with an error naming the file.
-
-    With ``mmap=True`` the tensors are views of the file, read from disk only where they are
-    used: resharding reads every saved worker's file but needs a slice of each.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"Checkpoint file {path} is missing.")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:  # what weights_only raises for a disallowed global
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        raise CheckpointError(
-            f"Refusing to load {path}: it is not a plain tensor checkpoint that loads with "
-            f"weights_only=True, so it may carry executable pickle content. Nothing in it was run. "
-            f"({first_line})"
-        ) from None
-    except (OSError, RuntimeError, EOFError) as error:  # unreadable, truncated, not a torch file
-        raise CheckpointError(
-            f"Cannot read checkpoint file {path}: {type(error).__name__}: {error}"
-        ) from None
-
-
-def write_marker(checkpoint_dir: Path, world_size: int, extra: Optional[Dict[str, Any]] = None) -> None:
-    """Mark ``checkpoint_dir`` complete. Call on one worker after all workers have written."""
-    marker = {"format_version": FORMAT_VERSION, "world_size": world_size, **(extra or {})}
-    path = Path(checkpoint_dir) / MARKER
-    tmp = path.with_name(f".{MARKER}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(marker, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def read_marker(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
-    """The marker of a complete checkpoint, or ``None`` when the directory is not one."""
-    path = Path(checkpoint_dir) / MARKER
-    if not path.is_file():
-        return None
-    try:
-        with open(path) as handle:
-            marker = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and "world_size" in marker else None
-
-
-def saved_file_names(marker: Dict[str, Any]) -> List[str]:
-    """
-    The names of the files (``"model"``, ``"optimizer"``, ``"lr_scheduler"``, ...) that every
-    worker wrote, as the marker lists them; a marker from before that list has only the model's
-    name, the one file every checkpoint has.
-    """
-    return list(marker.get("files", ["model"]))
-
-
-def _missing_files(checkpoint_dir: Path, marker: Dict[str, Any]) -> List[str]:
-    return [
-        worker_file(checkpoint_dir, worker, name).name
-        for worker in range(marker["world_size"])
-        for name in saved_file_names(marker)
-        if not worker_file(checkpoint_dir, worker, name).is_file()
-    ]
-
-
-def is_complete(checkpoint_dir: Path) -> bool:
-    """Whether ``checkpoint_dir`` holds a checkpoint whose every worker finished writing."""
-    marker = read_marker(checkpoint_dir)
-    return marker is not None and not _missing_files(checkpoint_dir, marker)
-
-
-def require_complete(checkpoint_dir: Path) -> Dict[str, Any]:
-    """The marker of ``checkpoint_dir``, or a :class:`CheckpointError` saying what is wrong."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise CheckpointError(f"{checkpoint_dir} is not a directory.")
-    marker = read_marker(checkpoint_dir)
-    if marker is None:
-        if any(checkpoint_dir.glob("worker*_model.pt")):
-            raise CheckpointError(
-                f"{checkpoint_dir} is an incomplete checkpoint: it has no {MARKER}, so its save "
-                "was interrupted. Use an earlier complete checkpoint."
-            )
-        raise CheckpointError(
-            f"{checkpoint_dir} is not a tango-fairscale checkpoint (no {MARKER} and no "
-            "worker*_model.pt files)."
-        )
-    missing = _missing_files(checkpoint_dir, marker)
-    if missing:
-        raise CheckpointError(f"{checkpoint_dir} is incomplete: missing {missing}.")
-    return marker
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """
-    The complete checkpoint that ``path`` names: a checkpoint directory itself, or the work
-    directory of a ``torch::train`` step (its ``checkpoint_state_latest``). Raises a
-    :class:`CheckpointError` saying what is wrong otherwise.
-    """
-    path = Path(path).expanduser()
-    if (path / "checkpoint_state_latest").exists():
-        path = path / "checkpoint_state_latest"
-    path = path.resolve()
-    require_complete(path)
-    return path
-
-
-def load_model_shards(checkpoint_dir: Path) -> List[Dict[str, Any]]:
-    """Every worker's ``{"weights", "metadata"}`` model file of a complete checkpoint, in rank order."""
-    marker = require_complete(checkpoint_dir)
-    return [safe_load(worker_file(checkpoint_dir, w, "model")) for w in range(marker["world_size"])]
-
-
-def load_optimizer_shards(checkpoint_dir: Path) -> List[Dict[str, Any]]:
-    """Every worker's optimizer file of a complete checkpoint, in rank order."""
-    marker = require_complete(checkpoint_dir)
-    return [safe_load(worker_file(checkpoint_dir, w, "optimizer")) for w in range(marker["world_size"])]
-
+from ..errors import CheckpointError
 
 _FSDP_PATH_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 
@@ -433,3 +244,38 @@ def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Ten
         for key in [k for k in full if k.startswith(prefix)]:
             full[f"{alias}.{key[len(prefix) :]}"] = full[key]
     return full
+
+
+def parameter_shapes(metadata: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+    """The plain model's name -> shape of every parameter FSDP flattened, from its shard metadata."""
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for unit in metadata["param_metadata"]:
+        prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
+        for info in unit["params"].values():
+            for name, shape in zip(info["names"], info["shapes"]):
+                shapes[prefix + name] = tuple(shape)
+    return shapes
+
+
+def check_same_parameter_shapes(
+    saved: Dict[str, Any], local: Dict[str, Any], source: str = "checkpoint"
+) -> None:
+    """
+    Refuse a checkpoint whose parameters differ in name or shape from this model's, by the shard
+    metadata of both: a flat shard of the same size can hold another model (a width-64 run's
+    first elements fit a width-32 model), so sizes of flat shards prove nothing.
+    """
+    saved_shapes, local_shapes = parameter_shapes(saved), parameter_shapes(local)
+    _check_same_parameters(saved_shapes, local_shapes)
+    different = [
+        (name, saved_shapes[name], local_shapes[name])
+        for name in local_shapes
+        if saved_shapes[name] != local_shapes[name]
+    ]
+    if different:
+        listed = ", ".join(f"{name}: saved {list(a)}, this model {list(b)}" for name, a, b in different[:5])
+        raise CheckpointError(
+            f"The {source} holds parameters of other shapes than this model's ({len(different)} differ: "
+            f"{listed}). It was saved from a model of another size; resume it with the same model "
+            "configuration."
+        )

@@ -1,0 +1,89 @@
+"""
+Sharded training checkpoints: written atomically per worker, counted only once complete,
+read back with ``torch.load(..., weights_only=True)``, and consolidated offline.
+
+A checkpoint is a directory (Tango's ``checkpoint_state_step<N>``) holding, per worker ``r``::
+
+    worker{r}_model.pt         {"weights": FSDP local (sharded) state dict, "metadata": FSDP shard metadata}
+    worker{r}_optimizer.pt     the optimizer state of that worker's shard
+    worker{r}_lr_scheduler.pt  (when there is a scheduler)
+    worker{r}_grad_scaler.pt   (when there is a grad scaler)
+    worker{r}_trainer.pt       Tango's trainer state (step, best metric, callbacks)
+
+and, written by worker 0 after every worker has finished its files, the marker
+``COMPLETE.json``. A directory without the marker is an interrupted save and is never resumed
+from.
+
+The model file also records, in ``"optimizer_keys"``, which flat parameter each optimizer
+state entry belongs to. With the shard padding in the metadata, that is enough to rebuild the
+full (unsharded) model and optimizer state offline, and to reshard both for another number of
+workers (:func:`reshard_model_weights`, :func:`reshard_optimizer_state`).
+"""
+
+from ..errors import CheckpointError
+from .files import (
+    FORMAT_VERSION,
+    HEADER_KEY,
+    MARKER,
+    STATE_NAMES,
+    atomic_save,
+    file_digest,
+    fsync_directory,
+    is_complete,
+    load_model_shards,
+    load_optimizer_shards,
+    newest_complete_checkpoint,
+    read_marker,
+    read_worker_state,
+    require_complete,
+    resolve_checkpoint,
+    safe_load,
+    saved_file_names,
+    verify_files,
+    with_header,
+    without_header,
+    worker_file,
+    write_marker,
+)
+from .resharding import (
+    clean_parameter_name,
+    consolidate_model_state,
+    consolidate_optimizer_state,
+    module_aliases,
+    reshard_model_weights,
+    reshard_optimizer_state,
+    same_shapes,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_KEY",
+    "MARKER",
+    "STATE_NAMES",
+    "CheckpointError",
+    "atomic_save",
+    "file_digest",
+    "clean_parameter_name",
+    "consolidate_model_state",
+    "consolidate_optimizer_state",
+    "fsync_directory",
+    "is_complete",
+    "load_model_shards",
+    "load_optimizer_shards",
+    "module_aliases",
+    "newest_complete_checkpoint",
+    "read_marker",
+    "read_worker_state",
+    "require_complete",
+    "reshard_model_weights",
+    "reshard_optimizer_state",
+    "resolve_checkpoint",
+    "safe_load",
+    "same_shapes",
+    "saved_file_names",
+    "verify_files",
+    "with_header",
+    "without_header",
+    "worker_file",
+    "write_marker",
+]

@@ -1,0 +1,30 @@
+"""Keeping a CPU worker's heap from growing with FSDP's per-step whole-unit buffers."""
+
+import ctypes
+import os
+import sys
+
+# glibc's mallopt parameter for the mmap threshold (malloc.h).
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 16 << 20
+
+
+def limit_cpu_heap_growth() -> bool:
+    """
+    Serve allocations of 16 MiB and more with their own memory mappings, returned to the system
+    when freed. FSDP on CPU allocates and frees whole-unit buffers (gathered parameters, their
+    gradients) every step; glibc's default raises its mmap threshold after the first such free
+    (up to 32 MiB), so later ones come from the heap, where they fragment and stay resident.
+    Measured on a 124 M-parameter GPT-2 with 2 workers (model built eagerly), a worker's peak RSS
+    went from 2.81 to 2.38 GiB, at 4.29 instead of 3.52 s per step: fresh mappings are paged in
+    anew. A 1 MiB threshold saved more in an earlier measurement but made every activation a
+    fresh mapping and a step 25 % slower. It is what ``MALLOC_MMAP_THRESHOLD_=16777216`` does, so
+    a value set there is left alone. Linux/glibc only; returns whether the setting was applied.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False

@@ -1,0 +1,92 @@
+"""
+The rules on the ``"fairscale"`` engine's options, in one place: the engine applies them in its
+constructor (so Python use gets them too) and pre-flight applies them from the config in Tango's
+main process, before any worker starts, with the same messages.
+"""
+
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+from tango.common.exceptions import ConfigurationError
+
+from .config import FSDPConfig
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "training_engine."
+
+
+def check_distributed(distributed: bool, device_count: int) -> None:
+    """The engine needs a process group: Tango starts one for ``device_count`` of 2 or more."""
+    if not distributed:
+        raise ConfigurationError(
+            'The "fairscale" training engine shards the model across workers, so it needs distributed '
+            f"training: set 'device_count' to 2 or more in the torch::train step (it is {device_count}), "
+            'or use the "torch" engine for a single device.'
+        )
+
+
+def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:
+    """The autocast dtype: bfloat16 on CPU workers unless asked otherwise, float16 on GPUs."""
+    if amp_use_bfloat16 is None:
+        amp_use_bfloat16 = on_cpu
+    return torch.bfloat16 if amp_use_bfloat16 else torch.float16
+
+
+def check_engine_options(
+    *,
+    distributed: bool,
+    device_count: int,
+    on_cpu: bool,
+    amp: Any = False,
+    amp_use_bfloat16: Any = None,
+    max_grad_norm: Any = None,
+    fsdp_config: Optional[FSDPConfig] = None,
+    warn: bool = True,
+) -> None:
+    """
+    Raise a :class:`ConfigurationError` naming the field for options that cannot work, and (with
+    ``warn``) warn about those that run but are likely mistakes.
+    """
+    check_distributed(distributed, device_count)
+    for name, value in (("amp", amp), ("amp_use_bfloat16", amp_use_bfloat16)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0
+    ):
+        raise ConfigurationError(f"{_PREFIX}max_grad_norm: must be a positive number, got {max_grad_norm!r}.")
+    dtype = amp_dtype(on_cpu, amp_use_bfloat16)
+    if amp and on_cpu and dtype == torch.float16:
+        raise ConfigurationError(
+            f"{_PREFIX}amp_use_bfloat16: false (float16 AMP) is not supported on CPU workers: loss scaling "
+            "needs CUDA there. Use bfloat16 (amp_use_bfloat16: true or unset) on CPU."
+        )
+    if not warn or fsdp_config is None:
+        return
+    if fsdp_config.mixed_precision and not amp:
+        compute = fsdp_config.resolved_compute_dtype(on_cpu)
+        warnings.warn(
+            f"{_PREFIX}fsdp_config.mixed_precision is true but {_PREFIX}amp is false: parameters are "
+            f"gathered in {str(compute).replace('torch.', '')} without autocast"
+            f"{'' if on_cpu else ' or loss scaling'}, which can stop the model from converging or fail on "
+            "float inputs. Set amp: true as well.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if (
+        amp
+        and not on_cpu
+        and dtype == torch.bfloat16
+        and fsdp_config.mixed_precision
+        and fsdp_config.compute_dtype is None
+    ):
+        warnings.warn(
+            f"{_PREFIX}fsdp_config.mixed_precision computes in float16 on GPUs unless compute_dtype is set, "
+            "while AMP uses bfloat16 without loss scaling: small gradients can underflow. Set "
+            'fsdp_config.compute_dtype: "bfloat16".',
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,66 @@
+"""
+Automatic mixed precision on CPU workers: activation checkpointing recomputes under the same
+bfloat16 autocast as the forward pass (with this engine and with Tango's DDP engine), and FSDP
+mixed precision computes in bfloat16 alongside it.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+from tests.helpers import load_weights, max_abs_difference, run_tango, train_config, train_work_dir
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-5
+
+
+def amp_config(engine: str, checkpointing: bool) -> Dict[str, Any]:
+    config = train_config(
+        engine=engine,
+        wrap="nested_ckpt" if checkpointing else "nested",
+        train_steps=6,
+        checkpoint_every=6,
+        engine_extra={"amp": True, "amp_use_bfloat16": True},
+        callbacks=[{"type": "test::record_losses"}],
+    )
+    model = config["steps"]["train"]["model"]
+    if engine == "torch":
+        # With DDP the wrapper only checkpoints: no FSDP units.
+        model.pop("fsdp_config")
+    return config
+
+
+@pytest.mark.parametrize("engine", ["fairscale", "torch"])
+def test_checkpointing_under_bf16_autocast_matches_plain(engine: str, tmp_path: Path) -> None:
+    weights = {}
+    for checkpointing in (False, True):
+        workspace = tmp_path / f"ckpt{checkpointing}"
+        run_tango(amp_config(engine, checkpointing), workspace / "ws", cwd=workspace / "cwd")
+        weights[checkpointing] = load_weights(workspace / "ws")
+    difference = max_abs_difference(weights[True], weights[False])
+    print(f"{engine}: max |checkpointed - plain| under bf16 autocast = {difference:.3e}")
+    assert difference <= TOLERANCE
+
+
+def test_fsdp_mixed_precision_with_amp_trains_layernorm_model(tmp_path: Path) -> None:
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=12,
+        checkpoint_every=12,
+        fsdp_config={"mixed_precision": True},
+        engine_extra={"amp": True},
+        model={"type": "test::norm_regressor", "in_features": 8, "width": 32},
+        callbacks=[{"type": "test::record_losses"}],
+    )
+    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
+    values = [losses[str(step)] for step in sorted(int(s) for s in losses)]
+    assert len(values) == 12
+    assert sum(values[-3:]) < sum(values[:3]), values
+    weights = load_weights(tmp_path / "ws")
+    # The master weights stay float32; only the gathered copies were bfloat16.
+    assert all(tensor.dtype.is_floating_point and tensor.element_size() == 4 for tensor in weights.values())
