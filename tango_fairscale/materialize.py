@@ -30,15 +30,38 @@ logger = logging.getLogger(__name__)
 
 _state = threading.local()
 
+#: The methods PyTorch's own modules initialise their parameters with (``nn.MultiheadAttention``
+#: has ``_reset_parameters``), in the order they are tried.
+_INITIALISERS = ("reset_parameters", "_reset_parameters")
+
 
 def _moving_to_meta() -> bool:
     return getattr(_state, "depth", 0) > 0 and not getattr(_state, "paused", False)
 
 
+#: Attribute of a ``meta`` parameter holding the value its module's constructor gave it, kept
+#: when nothing else could initialise it again (see :func:`_to_meta`).
+_CONSTRUCTED = "_tango_fairscale_constructed"
+
+
+def _has_initialiser(module: nn.Module) -> bool:
+    return any(callable(getattr(module, name, None)) for name in _INITIALISERS)
+
+
 def _to_meta(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Registration hook: in a thread inside :func:`parameters_on_meta`, move the new parameter to meta."""
-    if _moving_to_meta() and not param.is_meta:
-        module._parameters[name] = nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
+    """
+    Registration hook: in a thread inside :func:`parameters_on_meta`, move the new parameter to
+    meta. A parameter that no initialiser could set again (a bare ``nn.Parameter`` on a module
+    without ``reset_parameters``, e.g. a learned scale) keeps the value its constructor gave it,
+    so it is materialised exactly as an eager build would have it. Hugging Face modules are left
+    to the model's ``_init_weights``: keeping their values would hold the whole model.
+    """
+    if not _moving_to_meta() or param.is_meta:
+        return
+    meta = nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
+    if not _has_initialiser(module) and not type(module).__module__.startswith("transformers."):
+        setattr(meta, _CONSTRUCTED, param.data)
+    module._parameters[name] = meta
 
 
 @contextmanager
@@ -68,11 +91,6 @@ def real_parameters() -> Iterator[None]:
         _state.paused = paused
 
 
-#: The methods PyTorch's own modules initialise their parameters with (``nn.MultiheadAttention``
-#: has ``_reset_parameters``), in the order they are tried.
-_INITIALISERS = ("reset_parameters", "_reset_parameters")
-
-
 def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
@@ -97,12 +115,8 @@ def _hf_init_function(root: nn.Module) -> Optional[Callable[[nn.Module], None]]:
 
 
 @torch.no_grad()
-def materialize_module(module: nn.Module, device: torch.device, root: Optional[nn.Module] = None) -> int:
-    """
-    Allocate ``module``'s ``meta`` parameters on ``device`` (skipping FSDP units already built
-    inside it) and initialise them. Returns the number of elements materialised.
-    """
-    replaced: Dict[int, nn.Parameter] = {}
+def _allocate(module: nn.Module, device: torch.device, replaced: Dict[int, nn.Parameter]) -> List[nn.Module]:
+    """Replace the ``meta`` parameters of ``module`` and of its submodules outside FSDP units."""
     touched: List[nn.Module] = []
     for submodule in _modules_outside_fsdp(module):
         names = [n for n, p in submodule._parameters.items() if p is not None and p.is_meta]
@@ -110,15 +124,23 @@ def materialize_module(module: nn.Module, device: torch.device, root: Optional[n
             old = submodule._parameters[name]
             assert old is not None
             if id(old) not in replaced:  # tied parameters stay tied
-                # NaN marks what no initialiser touched.
-                fresh = torch.full(old.shape, math.nan, dtype=old.dtype, device=device)
+                constructed = getattr(old, _CONSTRUCTED, None)
+                if constructed is not None:
+                    fresh = constructed.to(device=device, copy=True)
+                else:
+                    # NaN marks what no initialiser touched.
+                    fresh = torch.full(old.shape, math.nan, dtype=old.dtype, device=device)
                 replaced[id(old)] = nn.Parameter(fresh, requires_grad=old.requires_grad)
             submodule._parameters[name] = replaced[id(old)]
         if names:
             touched.append(submodule)
-    if not touched:
-        return 0
-    hf_init = _hf_init_function(root if root is not None else module)
+    return touched
+
+
+@torch.no_grad()
+def _initialise(touched: List[nn.Module], replaced: Dict[int, nn.Parameter], root: nn.Module) -> List[str]:
+    """Run the initialisers of the ``touched`` modules; return the names of parameters still unset."""
+    hf_init = _hf_init_function(root)
     for submodule in touched:
         for initialiser in _INITIALISERS:
             reset = getattr(submodule, initialiser, None)
@@ -127,16 +149,72 @@ def materialize_module(module: nn.Module, device: torch.device, root: Optional[n
                 break
         if hf_init is not None:
             hf_init(submodule)
-    uninitialised = [
+    fresh = {id(v) for v in replaced.values()}
+    return [
         f"{type(submodule).__name__}.{name}"
         for submodule in touched
         for name, p in submodule._parameters.items()
-        if p is not None and id(p) in {id(v) for v in replaced.values()} and torch.isnan(p).any()
+        if p is not None and id(p) in fresh and torch.isnan(p).any()
     ]
+
+
+def _uncovered_error(names: List[str]) -> ConfigurationError:
+    return ConfigurationError(
+        f"init_on_meta: no initialiser sets {sorted(set(names))}: their modules have no reset_parameters() "
+        "(or _reset_parameters()) that sets them and no Hugging Face _init_weights covers them. Give "
+        "those modules a reset_parameters() method, or set init_on_meta: false."
+    )
+
+
+def materialize_module(module: nn.Module, device: torch.device, root: Optional[nn.Module] = None) -> int:
+    """
+    Allocate ``module``'s ``meta`` parameters on ``device`` (skipping FSDP units already built
+    inside it) and initialise them. Returns the number of elements materialised.
+    """
+    replaced: Dict[int, nn.Parameter] = {}
+    touched = _allocate(module, device, replaced)
+    if not touched:
+        return 0
+    uninitialised = _initialise(touched, replaced, root if root is not None else module)
     if uninitialised:
-        raise ConfigurationError(
-            f"init_on_meta: no initialiser set {sorted(set(uninitialised))[:5]}: their modules have no "
-            "reset_parameters() and no Hugging Face _init_weights covers them. Give those modules a "
-            "reset_parameters() method, or set init_on_meta: false."
-        )
+        raise _uncovered_error(uninitialised)
     return sum(p.numel() for p in replaced.values())
+
+
+def check_initialisable(model: nn.Module) -> None:
+    """
+    Raise one :class:`ConfigurationError` listing every parameter of a model built under
+    :func:`parameters_on_meta` that materialising would leave unset, without materialising
+    the model: one module of each class is tried on the CPU (initialisers act per class), so the
+    cost is bounded by the distinct classes, not the model's size. For pre-flight and ``plan``.
+    """
+    tried: Dict[type, List[str]] = {}
+    unset: List[str] = []
+    for path, module in model.named_modules():
+        if not any(p is not None and p.is_meta for p in module._parameters.values()):
+            continue
+        kind = type(module)
+        if kind not in tried:
+            replaced: Dict[int, nn.Parameter] = {}
+            touched = [module] if _allocate_own(module, replaced) else []
+            tried[kind] = [name.split(".", 1)[1] for name in _initialise(touched, replaced, model)]
+        unset += [f"{path}.{name}" if path else name for name in tried[kind]]
+    if unset:
+        raise _uncovered_error(unset)
+
+
+@torch.no_grad()
+def _allocate_own(module: nn.Module, replaced: Dict[int, nn.Parameter]) -> bool:
+    """Allocate only ``module``'s own ``meta`` parameters on the CPU (for a trial initialisation)."""
+    for name, old in list(module._parameters.items()):
+        if old is None or not old.is_meta:
+            continue
+        constructed = getattr(old, _CONSTRUCTED, None)
+        fresh = (
+            constructed.clone()
+            if constructed is not None
+            else torch.full(old.shape, math.nan, dtype=old.dtype)
+        )
+        replaced[id(old)] = nn.Parameter(fresh, requires_grad=old.requires_grad)
+        module._parameters[name] = replaced[id(old)]
+    return bool(replaced)

@@ -190,6 +190,12 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
         wrapper = model_config
         model_config = dict(wrapper["model"])
     model, built_on = _build(model_config)
+    engine = dict(step.get("training_engine", {}))
+    if engine.get("init_on_meta"):
+        from .materialize import check_initialisable, parameters_on_meta
+
+        with parameters_on_meta():
+            check_initialisable(Model.from_params(Params(dict(model_config))))
 
     wrap_plan = (
         WrapPlan.build(
@@ -209,7 +215,6 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
     world_size = world_size or int(step.get("device_count", 1))
     if world_size < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {world_size}")
-    engine = dict(step.get("training_engine", {}))
     engine_fsdp = FSDPConfig.from_params(Params(dict(engine.get("fsdp_config") or {})))
     compute_dtype = parse_dtype("compute_dtype", engine_fsdp.compute_dtype) or (
         torch.float16 if engine_fsdp.mixed_precision else None

@@ -156,7 +156,9 @@ def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: st
         )
 
 
-def check_model(model: Any, engine_fsdp_config: Optional[FSDPConfig], amp: bool = False) -> None:
+def check_model(
+    model: Any, engine_fsdp_config: Optional[FSDPConfig], amp: bool = False, init_on_meta: bool = False
+) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
     config = _params_of(model) if isinstance(model, Lazy) else {}
     if config.get("type") == WRAPPER_TYPE:
@@ -203,6 +205,17 @@ def check_model(model: Any, engine_fsdp_config: Optional[FSDPConfig], amp: bool 
         raise ConfigurationError(
             f"The model ({type(built).__name__}) has no parameters: there is nothing to shard or train."
         )
+    if init_on_meta and isinstance(model, Lazy):
+        check_init_on_meta(model)
+
+
+def check_init_on_meta(model: Any) -> None:
+    """Every parameter an ``init_on_meta`` build leaves unset, listed at once, before any worker starts."""
+    from .materialize import check_initialisable, parameters_on_meta
+
+    with parameters_on_meta():
+        built = model.construct()
+    check_initialisable(built)
 
 
 def preflight(
@@ -236,4 +249,9 @@ def preflight(
         )
         check_sampler(_params_of(loader), dataset_dict[validation_split], name)
         check_batches(_params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
-    check_model(model, fsdp_config, amp=bool(engine.get("amp", False)))
+    check_model(
+        model,
+        fsdp_config,
+        amp=bool(engine.get("amp", False)),
+        init_on_meta=bool(engine.get("init_on_meta", False)),
+    )

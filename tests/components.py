@@ -223,3 +223,49 @@ class NormRegressor(Model):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         prediction = self.head(self.norm(self.blocks(self.input(x)))).squeeze(-1).float()
         return {"loss": torch.nn.functional.mse_loss(prediction, y)}
+
+
+@Model.register("test::attention_regressor")
+class AttentionRegressor(Model):
+    """Stock modules init_on_meta must initialise: nn.MultiheadAttention (``_reset_parameters``)
+    and a bare ``nn.Parameter`` on a module without an initialiser."""
+
+    def __init__(self, in_features: int = 8, width: int = 16) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.attention = torch.nn.MultiheadAttention(width, 2, batch_first=True)
+        self.gain = torch.nn.Parameter(torch.full((width,), 0.5))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hidden = self.input(x).unsqueeze(1)
+        attended, _ = self.attention(hidden, hidden, hidden)
+        prediction = self.head((hidden + attended * self.gain).squeeze(1)).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(prediction, y)}
+
+
+class _ForgetfulInit(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(width, width))
+        self.shift = torch.nn.Parameter(torch.empty(width))
+
+    def reset_parameters(self) -> None:  # forgets ``shift``
+        torch.nn.init.eye_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.shift
+
+
+@Model.register("test::forgetful_init")
+class ForgetfulInit(Model):
+    """Two modules whose initialiser leaves a parameter unset: init_on_meta cannot build it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.first = _ForgetfulInit(width)
+        self.second = _ForgetfulInit(width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        prediction = self.second(self.first(x)).sum(-1)
+        return {"loss": torch.nn.functional.mse_loss(prediction, y)}

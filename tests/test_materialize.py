@@ -1,5 +1,8 @@
 """Building on the meta device and materialising one unit at a time (the engine's init_on_meta)."""
 
+from pathlib import Path
+from typing import Any, Dict
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,6 +10,7 @@ from tango.common.exceptions import ConfigurationError
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale.materialize import (
+    check_initialisable,
     has_meta_parameters,
     materialize_module,
     parameters_on_meta,
@@ -60,16 +64,54 @@ def test_tied_parameters_stay_tied() -> None:
     assert torch.isfinite(logits).all()
 
 
-def test_uninitialisable_parameter_is_named() -> None:
+def test_bare_parameter_keeps_its_constructed_value() -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gain = nn.Parameter(torch.ones(3))
+            self.gain = nn.Parameter(torch.arange(3.0))
 
     with parameters_on_meta():
         model = Scale()
-    with pytest.raises(ConfigurationError, match=r"no initialiser set \['Scale.gain'\]"):
+    assert model.gain.is_meta
+    materialize_module(model, torch.device("cpu"))
+    assert torch.equal(model.gain, torch.arange(3.0))
+
+
+def test_multihead_attention_uses_its_private_initialiser() -> None:
+    torch.manual_seed(0)
+    with parameters_on_meta():
+        attention = nn.MultiheadAttention(8, 2)
+    materialize_module(attention, torch.device("cpu"))
+    assert all(torch.isfinite(p).all() for p in attention.parameters())
+    assert attention.in_proj_weight.std() > 0  # xavier-initialised, not left constant
+
+
+class Partial(nn.Module):
+    """An initialiser that forgets a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_here = nn.Parameter(torch.empty(2))
+        self.forgotten = nn.Parameter(torch.empty(2))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.set_here)
+
+
+def test_uninitialised_parameter_is_named() -> None:
+    with parameters_on_meta():
+        model = Partial()
+    with pytest.raises(ConfigurationError, match=r"no initialiser sets \['Partial.forgotten'\]"):
         materialize_module(model, torch.device("cpu"))
+
+
+def test_every_unset_parameter_is_listed_at_once() -> None:
+    with parameters_on_meta():
+        model = nn.Sequential(Partial(), nn.Linear(2, 2), Partial(), nn.Linear(2, 2))
+    with pytest.raises(ConfigurationError, match=r"\['0.forgotten', '2.forgotten'\]"):
+        check_initialisable(model)
+    # Nothing beyond one module per class was allocated.
+    assert model[2].set_here.is_meta and model[3].weight.is_meta
 
 
 @pytest.mark.slow
@@ -93,3 +135,59 @@ def test_init_on_meta_trains_through_the_cli(tmp_path) -> None:  # type: ignore[
     losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
     steps = sorted(losses, key=int)
     assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
+
+
+@pytest.mark.slow
+def test_init_on_meta_trains_stock_attention_and_a_bare_parameter(tmp_path: Path) -> None:
+    import json
+
+    from tests.components import AttentionRegressor
+    from tests.helpers import load_weights, run_tango, train_config, train_work_dir
+
+    config = train_config(
+        engine="fairscale",
+        wrap="root",
+        train_steps=12,
+        checkpoint_every=12,
+        engine_extra={"init_on_meta": True},
+        model={"type": "test::attention_regressor", "in_features": 8, "width": 16},
+        callbacks=[{"type": "test::record_losses"}],
+    )
+    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
+    weights = load_weights(tmp_path / "ws")
+    AttentionRegressor(in_features=8, width=16).load_state_dict(weights, strict=True)
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
+    steps = sorted(losses, key=int)
+    assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
+
+
+def forgetful_step() -> Dict[str, Any]:
+    import tests.components  # noqa: F401 - registers the model
+    from tests.helpers import train_config
+
+    config = train_config(
+        engine="fairscale",
+        wrap="root",
+        engine_extra={"init_on_meta": True},
+        model={"type": "test::forgetful_init", "width": 8},
+    )
+    return config["steps"]["train"]
+
+
+def test_plan_lists_every_unset_parameter_at_once() -> None:
+    from tango_fairscale.plan import make_plan
+
+    with pytest.raises(ConfigurationError, match=r"no initialiser sets \['first.shift', 'second.shift'\]"):
+        make_plan("train", forgetful_step())
+
+
+def test_preflight_lists_every_unset_parameter_at_once() -> None:
+    from tango.common import Lazy, Params
+    from tango.integrations.torch import Model
+
+    from tango_fairscale.preflight import check_model
+
+    step = forgetful_step()
+    with pytest.raises(ConfigurationError, match=r"no initialiser sets \['first.shift', 'second.shift'\]"):
+        check_model(Lazy(Model, Params(step["model"])), None, init_on_meta=True)
