@@ -2,24 +2,27 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The PyTorch build to install when the venv has none. A bare `pip install torch` pulls the
-# multi-GB CUDA build; point TORCH_INDEX_URL at a CPU wheel index (or leave TORCH_SPEC to a
-# local wheel) to avoid that, e.g. make demo TORCH_INDEX_URL=<your CPU wheel index>.
+# The PyTorch to install when the venv has none (scripts/install_torch.py decides and says
+# what it did): the CPU build from PyTorch's CPU wheel index on a machine without an NVIDIA
+# GPU (the default index where that one cannot be reached), the default CUDA build with one.
+# TORCH_INDEX_URL forces an index, TORCH_SPEC another version or a local wheel file.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
 .PHONY: install demo demo-toy test lint clean
 
+# torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
 $(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "tango-fairscale needs Python 3.10+, found " + sys.version.split()[0] + ": run make PYTHON=python3.12 (or another 3.10+)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# Installs a CPU torch only when the venv has no torch at all, then the package with its
-# dev and examples extras, then checks that the environment is consistent.
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	@$(BIN)/python -c "import torch" 2>/dev/null || \
-		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
+# Installs torch only when the venv has none (a torch outside pyproject.toml's range is an
+# error rather than a silent swap), then the package with its dev, examples and benchmarks
+# extras, then checks that the environment is consistent.
+$(VENV)/.installed: $(BIN)/python pyproject.toml scripts/install_torch.py
+	$(BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks]"
 	$(BIN)/python -m pip check
 	@touch $@
@@ -40,9 +43,9 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check tango_fairscale tests examples benchmarks
-	$(BIN)/ruff format --check tango_fairscale tests examples benchmarks
-	$(BIN)/mypy tango_fairscale benchmarks
+	$(BIN)/ruff check tango_fairscale tests examples benchmarks scripts
+	$(BIN)/ruff format --check tango_fairscale tests examples benchmarks scripts
+	$(BIN)/mypy tango_fairscale benchmarks scripts
 
 clean:
 	rm -rf $(VENV) workspace build *.egg-info

@@ -3,16 +3,21 @@
 
 Commands:
 
-- ``consolidate CHECKPOINT_DIR OUT.pt [--optimizer]``: one full state dict from a sharded
-  checkpoint, with no process group and no GPU.
-- ``plan CONFIG [--step NAME] [--world-size N]``: the wrap plan of a training step and the
-  model state each worker will hold, without training.
+- ``consolidate CHECKPOINT_DIR OUT.pt [--optimizer] [--force]``: one full state dict from a
+  sharded checkpoint, with no process group and no GPU.
+- ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]``: the wrap
+  plan of a training step and the model state each worker will hold, without training.
+
+A bad argument ends the command with one ``error: ...`` line on stderr and exit status 2.
 """
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
@@ -20,25 +25,64 @@ from tqdm import tqdm
 from . import checkpointing
 from .errors import CheckpointError
 
+TRAIN_STEP_TYPE = "torch::train"
 
-def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = False) -> None:
+
+class UsageError(Exception):
+    """A bad command-line argument: reported as one ``error:`` line, with exit status 2."""
+
+
+def _one_line(error: BaseException, lines: int = 2) -> str:
+    # Parser errors (jsonnet, YAML) span several lines, the second usually the location: keep
+    # both on one line, so the command's error stays a single line.
+    parts = [line.strip() for line in str(error).splitlines() if line.strip()][:lines]
+    return "; ".join(parts) or type(error).__name__
+
+
+def _is_checkpoint_dir(directory: Path) -> bool:
+    # Also a directory with worker files but no marker: an interrupted save is still a checkpoint
+    # that a later save or a resume may read, so nothing else belongs in it.
+    return (directory / checkpointing.MARKER).exists() or any(directory.glob("worker*_model.pt"))
+
+
+def check_output(output: Path, *, force: bool) -> None:
+    """Raise a :class:`UsageError` unless ``output`` is a file path ``consolidate`` may write."""
+    if output.is_dir():
+        raise UsageError(f"output {output} is a directory: give the path of the .pt file to write")
+    for directory in output.resolve().parents:
+        if _is_checkpoint_dir(directory):
+            raise UsageError(
+                f"refusing to write {output} inside the checkpoint directory {directory}: "
+                "choose a path outside it"
+            )
+    if output.exists() and not force:
+        raise UsageError(f"output {output} already exists: pass --force to overwrite it")
+
+
+def consolidate(
+    checkpoint_dir: Path, output: Path, *, with_optimizer: bool = False, force: bool = False
+) -> None:
     """
     Write the full (unsharded) model state dict of ``checkpoint_dir`` to ``output``; with
     ``with_optimizer``, write ``{"model": ..., "optimizer": ...}`` instead, the optimizer state
-    keyed by parameter name.
+    keyed by parameter name. ``output`` may not lie inside a checkpoint directory, nor be an
+    existing file unless ``force``.
     """
-    checkpoint_dir = checkpointing.resolve_checkpoint(Path(checkpoint_dir))
+    checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+    if not checkpoint_dir.exists():
+        raise UsageError(f"checkpoint directory {checkpoint_dir} does not exist")
+    checkpoint_dir = checkpointing.resolve_checkpoint(checkpoint_dir)
+    check_output(output, force=force)
     marker = checkpointing.read_marker(checkpoint_dir)
     assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
     kinds = ["model", "optimizer"] if with_optimizer else ["model"]
-    loaded = {kind: [] for kind in kinds}  # type: dict
+    loaded: Dict[str, List[Any]] = {kind: [] for kind in kinds}
     with tqdm(total=world_size * len(kinds), desc="Reading shards", unit="file") as progress:
         for kind in kinds:
             for worker in range(world_size):
-                loaded[kind].append(
-                    checkpointing.safe_load(checkpointing.worker_file(checkpoint_dir, worker, kind))
-                )
+                # Checked against the marker's sizes and hashes and the file's own header.
+                loaded[kind].append(checkpointing.read_worker_state(checkpoint_dir, marker, worker, kind))
                 progress.update()
     model = checkpointing.consolidate_model_state(loaded["model"])
     result: Dict[str, Any] = dict(model)
@@ -47,8 +91,11 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
             "model": model,
             "optimizer": checkpointing.consolidate_optimizer_state(loaded["model"], loaded["optimizer"]),
         }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    checkpointing.atomic_save(result, output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        checkpointing.atomic_save(result, output)
+    except OSError as error:
+        raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
     numel = sum(t.numel() for t in model.values())
     print(
         f"Wrote {output} from {world_size} shards of {checkpoint_dir}: {len(model)} tensors, "
@@ -56,42 +103,134 @@ def consolidate(checkpoint_dir: Path, output: Path, *, with_optimizer: bool = Fa
     )
 
 
-def _load_step(
-    config: Path, step_name: Optional[str], includes: List[str], ext_vars: List[str]
-) -> "tuple[str, dict]":
-    from tango.common import Params
-    from tango.common.exceptions import ConfigurationError
-    from tango.common.util import import_extra_module
+def settings_path(explicit: Optional[Path]) -> Optional[Path]:
+    """
+    The Tango settings file ``tango run`` would read: ``--settings``, else ``tango.yml`` (or
+    ``.yaml``) in the current directory, else in ``~/.config`` (``TangoGlobalSettings.default``).
+    """
+    if explicit is not None:
+        if not explicit.is_file():
+            raise UsageError(f"--settings {explicit}: no such file")
+        return explicit
+    for directory in (Path("."), Path.home() / ".config"):
+        for extension in ("yml", "yaml"):
+            candidate = directory / f"tango.{extension}"
+            if candidate.is_file():
+                return candidate
+    return None
 
+
+def load_settings(path: Optional[Path]) -> Any:
+    """The ``TangoGlobalSettings`` of ``path`` (the defaults when ``None``)."""
+    from tango.settings import TangoGlobalSettings
+
+    if path is None:
+        return TangoGlobalSettings()
+    try:
+        return TangoGlobalSettings.from_file(path)
+    except Exception as error:  # noqa: BLE001 - YAML and FromParams raise many kinds; all mean "bad file"
+        raise UsageError(f"cannot read Tango settings {path}: {_one_line(error)}") from None
+
+
+@contextlib.contextmanager
+def settings_environment(environment: Optional[Dict[str, str]]) -> Iterator[None]:
+    """
+    Set the settings' ``environment`` variables as ``tango run`` does (skipping, with the same
+    warning, the names Tango reserves), and restore the previous values afterwards, so that
+    calling :func:`main` in-process leaves the caller's environment as it was.
+    """
+    from tango.common.aliases import EnvVarNames
+
+    blocked = EnvVarNames.values()
+    previous: Dict[str, Optional[str]] = {}
+    try:
+        for key, value in (environment or {}).items():
+            if key in blocked:
+                warnings.warn(
+                    f"Ignoring environment variable '{key}' from settings file. "
+                    "Please use the corresponding settings field instead.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                continue
+            previous.setdefault(key, os.environ.get(key))
+            os.environ[key] = str(value)
+        yield
+    finally:
+        for key, old in previous.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _parse_ext_vars(ext_vars: List[str]) -> Dict[str, str]:
     variables = {}
     for item in ext_vars:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigurationError(f"--ext-var takes KEY=VALUE, got {item!r}")
+        if not sep or not key:
+            raise UsageError(f"--ext-var takes KEY=VALUE, got {item!r}")
         variables[key] = value
-    params = Params.from_file(config, ext_vars=variables).as_dict(quiet=True)
-    packages = list(includes) + list(params.pop("include_package", []))
-    settings = Path("tango.yml")
-    if settings.is_file():
-        import yaml
+    return variables
 
-        packages += list((yaml.safe_load(settings.read_text()) or {}).get("include_package", []))
-    for package in packages:
-        import_extra_module(package)
-    steps = params.get("steps", {})
+
+def read_config(config: Path, overrides: Optional[str], ext_vars: Dict[str, str]) -> Dict[str, Any]:
+    """The experiment config as a dict, with ``overrides`` applied as ``tango run -o`` applies them."""
+    from tango.common import Params
+    from tango.common.params import parse_overrides, with_overrides
+
+    if not config.exists():
+        raise UsageError(f"config file {config} does not exist")
+    if config.is_dir():
+        raise UsageError(f"{config} is a directory, not a config file")
+    try:
+        data = Params.from_file(config, ext_vars=ext_vars).as_dict(quiet=True)
+    except Exception as error:  # noqa: BLE001 - jsonnet, JSON and YAML each raise their own errors
+        raise UsageError(f"cannot read config {config}: {_one_line(error)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
+        raise UsageError(f"{config} is not a Tango experiment config: it has no 'steps' object")
+    if overrides:
+        # Tango's own functions, in the order Params.from_file uses them, so that an override
+        # means exactly what it means to `tango run -o`.
+        try:
+            data = with_overrides(data, parse_overrides(overrides, ext_vars=ext_vars))
+        except Exception as error:  # noqa: BLE001 - jsonnet syntax (RuntimeError) or unused keys (ValueError)
+            raise UsageError(f"-o/--overrides {overrides!r}: {_one_line(error)}") from None
+    return data
+
+
+def _import_packages(packages: List[Tuple[str, str]]) -> None:
+    from tango.common.util import import_extra_module
+
+    for package, source in packages:
+        try:
+            import_extra_module(package)
+        except (ImportError, ValueError) as error:  # ValueError: a path-like name that does not exist
+            raise UsageError(f"cannot import package {package!r} ({source}): {_one_line(error, 1)}") from None
+
+
+def select_step(config: Path, steps: Dict[str, Any], step_name: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+    """The ``torch::train`` step to plan: ``step_name``, or the config's only one."""
     train_steps = {
         name: step
         for name, step in steps.items()
-        if isinstance(step, dict) and step.get("type") == "torch::train"
+        if isinstance(step, dict) and step.get("type") == TRAIN_STEP_TYPE
     }
     if step_name is not None:
         if step_name not in steps:
-            raise ConfigurationError(f"No step {step_name!r} in {config}; its steps: {sorted(steps)}")
-        return step_name, steps[step_name]
+            raise UsageError(f"--step {step_name!r}: no such step in {config}; its steps: {sorted(steps)}")
+        if step_name not in train_steps:
+            step = steps[step_name]
+            kind = step.get("type") if isinstance(step, dict) else type(step).__name__
+            raise UsageError(
+                f"--step {step_name!r} is a {kind!r} step, not a {TRAIN_STEP_TYPE} step; "
+                f"the training steps of {config}: {sorted(train_steps)}"
+            )
+        return step_name, train_steps[step_name]
     if len(train_steps) != 1:
-        raise ConfigurationError(
-            f"{config} has {len(train_steps)} torch::train steps ({sorted(train_steps)}): "
-            "choose one with --step."
+        raise UsageError(
+            f"{config} has {len(train_steps)} {TRAIN_STEP_TYPE} steps ({sorted(train_steps)}): "
+            "choose one with --step"
         )
     return next(iter(train_steps.items()))
 
@@ -103,22 +242,67 @@ def plan_command(
     includes: List[str],
     ext_vars: List[str],
     json_path: Optional[Path],
+    overrides: Optional[str] = None,
+    settings: Optional[Path] = None,
 ) -> None:
-    """Print the wrap plan of a training step (and write it as JSON with ``json_path``)."""
+    """
+    Print the wrap plan of a training step (and write it as JSON with ``json_path``). The
+    config is read the way ``tango run`` reads it: the settings file's ``environment`` is set
+    first (jsonnet sees it through ``std.extVar``), then the config with ``--ext-var`` and
+    ``-o`` overrides, then the packages of ``-i``, the config and the settings are imported.
+    """
     import json
 
     from .plan import make_plan, render
 
-    name, step = _load_step(config, step_name, includes, ext_vars)
-    plan = make_plan(name, step, world_size)
+    # The arguments that need nothing loaded are checked first: a typo costs no model build.
+    if world_size is not None and world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    if json_path is not None and json_path.is_dir():
+        raise UsageError(f"--json {json_path} is a directory: give the path of the file to write")
+    variables = _parse_ext_vars(ext_vars)
+    found = settings_path(settings)
+    tango_settings = load_settings(found)
+    with settings_environment(tango_settings.environment):
+        data = read_config(config, overrides, variables)
+        packages = [(package, "-i") for package in includes]
+        packages += [(package, f"include_package of {config}") for package in data.pop("include_package", [])]
+        packages += [
+            (package, f"include_package of {found}") for package in tango_settings.include_package or []
+        ]
+        _import_packages(packages)
+        name, step = select_step(config, data["steps"], step_name)
+        plan = make_plan(name, step, world_size)
     print(render(plan))
     if json_path is not None:
-        json_path.write_text(json.dumps(plan.as_dict(), indent=2))
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(plan.as_dict(), indent=2))
+        except OSError as error:
+            raise UsageError(f"cannot write --json {json_path}: {error.strerror or error}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m tango_fairscale", description="Tools for tango-fairscale runs and checkpoints."
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as the one ``error:`` line every other bad argument gets."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def default_prog(argv0: str) -> str:
+    """``python -m tango_fairscale`` when run as a module, else the console script's name."""
+    path = Path(argv0)
+    if path.name == "__main__.py" and path.parent.name == "tango_fairscale":
+        return "python -m tango_fairscale"
+    # The console script (tango-fairscale, tango-fairscale.exe); any other caller of main(),
+    # e.g. a test runner, gets the installed command's name rather than its own.
+    return path.name if path.name.startswith("tango-fairscale") else "tango-fairscale"
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog or default_prog(sys.argv[0] if sys.argv else ""),
+        description="Tools for tango-fairscale runs and checkpoints.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -131,12 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate_parser.add_argument(
         "checkpoint_dir", type=Path, help="checkpoint_state_step<N> directory or work dir"
     )
-    consolidate_parser.add_argument("output", type=Path, help="the .pt file to write")
+    consolidate_parser.add_argument(
+        "output", type=Path, help="the .pt file to write (not inside a checkpoint directory)"
+    )
     consolidate_parser.add_argument(
         "--optimizer",
         action="store_true",
         help='also consolidate the optimizer state; the file is then {"model": ..., "optimizer": ...}',
     )
+    consolidate_parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
     plan_parser = commands.add_parser(
         "plan",
@@ -144,9 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build the model of a torch::train step (on the meta device where possible, else on the "
         "CPU) and print each FSDP unit with its parameter count, whether it is checkpointed, and the "
         "estimated per-worker bytes of parameters, gradients and optimizer state beside DDP's. "
-        "Needs no process group and no GPU.",
+        "Needs no process group and no GPU. The config is read as `tango run` reads it, with the "
+        "tango.yml of the current directory (or ~/.config, or --settings).",
     )
-    plan_parser.add_argument("config", type=Path, help="the Tango experiment config (.jsonnet or .json)")
+    plan_parser.add_argument(
+        "config", type=Path, help="the Tango experiment config (.jsonnet, .json or .yml)"
+    )
     plan_parser.add_argument("--step", help="the step to plan (default: the config's only torch::train step)")
     plan_parser.add_argument(
         "--world-size", type=int, help="number of workers (default: the step's device_count)"
@@ -155,7 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
         "-i", "--include-package", action="append", default=[], help="a module to import (repeatable)"
     )
     plan_parser.add_argument(
-        "--ext-var", action="append", default=[], help="a jsonnet external variable KEY=VALUE"
+        "-o",
+        "--overrides",
+        help="a JSON(NET) string overriding fields of the config, dotted keys for nested fields, "
+        "as for `tango run -o`, e.g. '{\"steps.train.device_count\": 4}'",
+    )
+    plan_parser.add_argument(
+        "-D", "--ext-var", action="append", default=[], help="a jsonnet external variable KEY=VALUE"
+    )
+    plan_parser.add_argument(
+        "--settings", type=Path, help="the Tango settings file (default: tango.yml as `tango run` finds it)"
     )
     plan_parser.add_argument(
         "--json", type=Path, dest="json_path", help="also write the plan as JSON to this file"
@@ -167,13 +366,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "consolidate":
-            consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer)
+            consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer, force=args.force)
         elif args.command == "plan":
             plan_command(
-                args.config, args.step, args.world_size, args.include_package, args.ext_var, args.json_path
+                args.config,
+                args.step,
+                args.world_size,
+                args.include_package,
+                args.ext_var,
+                args.json_path,
+                overrides=args.overrides,
+                settings=args.settings,
             )
-    except (CheckpointError, ConfigurationError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (UsageError, CheckpointError, ConfigurationError) as error:
+        # Every line of the message, joined: some name the alternatives on a line of their own.
+        print(f"error: {_one_line(error, lines=50)}", file=sys.stderr)
         return 2
     return 0
 

@@ -14,7 +14,6 @@ from benchmarks.run import CONFIGS
 from tests.helpers import REPO
 
 
-
 def run_benchmarks(*arguments: str, timeout: float = 600) -> "subprocess.CompletedProcess[str]":
     """``python benchmarks/run.py ARGUMENTS`` from the repository root."""
     return subprocess.run(
