@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from tango.common import Lazy, Params
-from tango.common.exceptions import ConfigurationError
+from tango.common.exceptions import CliRunError, ConfigurationError
 from tango.integrations.torch import Sampler, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
@@ -231,7 +231,47 @@ def preflight(
     work_dir: Optional[Path] = None,
     **step_options: Any,
 ) -> None:
-    """All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments."""
+    """
+    All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments.
+    A mistake is raised as :class:`PreflightError`, which Tango prints as its message alone.
+    """
+    try:
+        _preflight(
+            model=model,
+            training_engine=training_engine,
+            dataset_dict=dataset_dict,
+            train_dataloader=train_dataloader,
+            devices=devices,
+            train_split=train_split,
+            validation_split=validation_split,
+            validation_dataloader=validation_dataloader,
+            work_dir=work_dir,
+            **step_options,
+        )
+    except PreflightError:
+        raise
+    except ConfigurationError as error:
+        # Without Tango's 25-line traceback above it: the config's mistake is all there is to say.
+        raise PreflightError(f"{type(error).__name__}: {error}") from None
+
+
+class PreflightError(ConfigurationError, CliRunError):
+    """A config mistake found before the workers start; Tango logs a ``CliRunError`` as its message alone."""
+
+
+def _preflight(
+    *,
+    model: Any,
+    training_engine: Any,
+    dataset_dict: Any,
+    train_dataloader: Any,
+    devices: Any,
+    train_split: str,
+    validation_split: Optional[str],
+    validation_dataloader: Any,
+    work_dir: Optional[Path],
+    **step_options: Any,
+) -> None:
     engine = _params_of(training_engine)
     devices = list(devices or [])
     world_size = len(devices)
