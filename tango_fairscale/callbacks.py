@@ -242,3 +242,25 @@ def _batch_size(micro_batch: Any) -> int:
         if size:
             return size
     return 0
+
+
+@TrainCallback.register("fairscale::restore_random_state")
+class RestoreRandomState(TrainCallback):
+    """
+    Sets each worker's random generators to the state its checkpoint saved, right before the
+    training loop. Added by the ``"fairscale"`` engine's step patch to every step that uses it;
+    not meant for configs.
+
+    Why here and not when the engine loads the checkpoint: after loading, ``torch::train`` catches
+    the data loader up to the resume step, and every data loader iterator it creates on the way
+    draws a seed from torch's generator. The uninterrupted run made those draws before it saved
+    the state, so the state is exact only once the catching up is done, which is the moment
+    ``pre_train_loop`` runs.
+    """
+
+    def pre_train_loop(self) -> None:
+        from .checkpointing import random_state
+
+        state = getattr(self.training_engine, "loaded_random_state", None)
+        if state is not None:
+            random_state.restore(state)

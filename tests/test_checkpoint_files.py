@@ -215,3 +215,24 @@ def test_parameters_of_another_size_are_refused() -> None:
         CheckpointError, match=r"blocks.0.linear.weight: saved \[64, 64\], this model \[32, 32\]"
     ):
         resharding.check_same_parameter_shapes(unit_metadata(64), unit_metadata(32))
+
+
+def test_random_state_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    from tango_fairscale.checkpointing import random_state
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached Gaussian in Python's state
+    saved = random_state.capture()
+    expected = (random.random(), np.random.rand(), torch.rand(3), torch.nn.functional.dropout(torch.ones(8)))
+    checkpointing.atomic_save(saved, tmp_path / "rng.pt")
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    random_state.restore(checkpointing.safe_load(tmp_path / "rng.pt"))
+    again = (random.random(), np.random.rand(), torch.rand(3), torch.nn.functional.dropout(torch.ones(8)))
+    assert expected[:2] == again[:2]
+    assert torch.equal(expected[2], again[2]) and torch.equal(expected[3], again[3])
