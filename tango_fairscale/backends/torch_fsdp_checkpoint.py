@@ -1,0 +1,436 @@
+"""
+Checkpoints of FSDP2 models through ``torch.distributed.checkpoint`` (DCP), in this package's
+checkpoint protocol: a directory that counts only once its ``COMPLETE.json`` marker is there,
+whose every file the marker lists with size and SHA-256, and that loads without running pickled
+code.
+
+Layout of a checkpoint directory (``checkpoint_state_step<N>``)::
+
+    dcp/.metadata            DCP's index of the shards (a pickle: see "Loading safely" below)
+    dcp/__{r}_0.distcp       worker r's shards of the model and optimizer state
+    worker{r}_{name}.pt      worker r's replicated extra states (trainer, lr_scheduler, ...),
+                             written with tango_fairscale.checkpointing.atomic_save and a header
+    COMPLETE.json            written last, by the engine, from save_sharded's return value
+
+DCP reshards on load: a checkpoint saved by N workers loads on M (any mesh).
+
+Loading safely. DCP's :class:`~torch.distributed.checkpoint.FileSystemReader` reads tensors with
+``torch.load(weights_only=True)``, but unpickles ``.metadata`` with plain :func:`pickle.load`,
+and its default planner loads non-tensor values (optimizer hyper-parameters) with
+``torch.load(weights_only=False)``: both run arbitrary code from a hostile file. Here:
+
+1. every file is checked against the marker first (a regular file, its size and SHA-256), so only
+   the files this package's save wrote, unchanged, are read; every file DCP's metadata points to
+   must be one of them (no path leaves the checkpoint);
+2. ``.metadata`` is unpickled by an unpickler that only resolves DCP's own metadata classes,
+   ``torch.Size``, dtypes and paths (:data:`METADATA_GLOBALS`): anything else is refused before
+   it is called;
+3. non-tensor values are loaded with ``torch.load(weights_only=True)``.
+
+The marker sits in the same directory, so (1) proves integrity (no torn, mixed or edited files),
+not authorship: someone who can write the directory can rewrite the marker. (2) and (3) are what
+keep such a directory from running code; the worst it can do is hold wrong numbers.
+"""
+
+import io
+import logging
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from .. import checkpointing
+from ..errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+#: The subdirectory of a checkpoint that DCP writes into.
+DCP_DIR = "dcp"
+#: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
+METADATA_FILE = ".metadata"
+#: What the marker says about the checkpoint's format, to tell it from the FairScale backend's.
+MARKER_FIELDS = {"backend": "torch", "format": "dcp"}
+
+#: The only globals ``.metadata`` may name: DCP's metadata classes, torch.Size, torch's dtypes (any
+#: ``torch.<name>`` that is a :class:`torch.dtype`, checked separately), the layout lookup and paths
+#: (``StorageMeta.checkpoint_id``). Calling any of them builds a plain value.
+METADATA_GLOBALS: Set[Tuple[str, str]] = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: see :data:`METADATA_GLOBALS`."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"Refusing to load {self._path}: it names {module}.{name}, which is not part of DCP's checkpoint "
+            "metadata, so it may run code. Nothing in it was run."
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata file at ``path``, unpickled with :class:`_MetadataUnpickler`."""
+    with open(path, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle, path).load()
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - truncated or not a pickle: damage, not a crash
+            raise CheckpointError(f"Cannot read {path}: {type(error).__name__}: {error}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__}).")
+    return metadata
+
+
+class _SafeFileSystemReader(dcp.FileSystemReader):
+    """
+    DCP's file reader with :func:`read_metadata` in place of ``pickle.load``, and with every data
+    file the metadata names checked against ``allowed`` (the files the marker lists and that were
+    verified), so that a path in the metadata cannot reach outside the checkpoint.
+    """
+
+    def __init__(self, path: Path, allowed: Set[str]) -> None:
+        super().__init__(path)
+        self._directory = Path(path)
+        self._allowed = allowed
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("Per-rank DCP metadata is not used by this package's checkpoints.")
+        metadata = read_metadata(self._directory / METADATA_FILE)
+        named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+        foreign = sorted(str(name) for name in named if name not in self._allowed)
+        if foreign:
+            raise CheckpointError(
+                f"{self._directory / METADATA_FILE} refers to files that are not listed in the checkpoint's "
+                f"{checkpointing.MARKER}: {foreign[:5]}. The checkpoint was altered; use an untouched one."
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+    """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (DCP's uses ``False``)."""
+    try:
+        loaded = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"Refusing to load the checkpoint value {read_item.dest_index.fqn!r}: it is not a plain value "
+            f"that loads with weights_only=True. Nothing in it was run. ({str(error).splitlines()[0]})"
+        ) from None
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, loading non-tensor values with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
+class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+    """The planner of ``dcp_to_torch_save`` (state dict rebuilt from the metadata), loading safely."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
+def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """
+    Call a DCP function, turning its :class:`CheckpointException` (a ``BaseException`` that
+    gathers every worker's failure) into this package's :class:`CheckpointError` when one of the
+    failures is ours (a refused file or value), so that callers see one error type.
+    """
+    try:
+        return function(*args, **kwargs)
+    except CheckpointException as error:
+        ours = [failure for failure, _ in error.failures.values() if isinstance(failure, CheckpointError)]
+        if ours:
+            raise CheckpointError(str(ours[0])) from None
+        raise
+
+
+def is_torch_checkpoint(marker: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's marker says it was written by :func:`save_sharded` (else: FairScale's)."""
+    return all(marker.get(key) == value for key, value in MARKER_FIELDS.items())
+
+
+def _require_torch_marker(checkpoint_dir: Path) -> Dict[str, Any]:
+    if checkpoint_dir.is_dir() and (checkpoint_dir / DCP_DIR).is_dir():
+        if checkpointing.read_marker(checkpoint_dir) is None:
+            raise CheckpointError(
+                f"{checkpoint_dir} is an incomplete checkpoint: it has no {checkpointing.MARKER}, so its "
+                "save was interrupted. Use an earlier complete checkpoint."
+            )
+    marker = checkpointing.require_complete(checkpoint_dir)
+    if not is_torch_checkpoint(marker):
+        raise CheckpointError(
+            f"{checkpoint_dir} was written by the fairscale backend (FairScale's flat shards), not the torch "
+            'backend (DCP): resume it with backend: "fairscale", or consolidate it to weights and start a '
+            "new run."
+        )
+    return marker
+
+
+def _dcp_files(checkpoint_dir: Path, marker: Mapping[str, Any]) -> List[str]:
+    """The DCP files the marker lists (as paths relative to the checkpoint), metadata first."""
+    prefix = f"{DCP_DIR}/"
+    names = sorted(name for name in marker.get("digests") or {} if name.startswith(prefix))
+    metadata = f"{DCP_DIR}/{METADATA_FILE}"
+    if metadata not in names:
+        raise CheckpointError(
+            f"{checkpoint_dir}'s {checkpointing.MARKER} lists no {metadata}: it is not a complete "
+            "torch-backend checkpoint."
+        )
+    names.remove(metadata)
+    if (checkpoint_dir / DCP_DIR).is_symlink():
+        raise CheckpointError(
+            f"{checkpoint_dir / DCP_DIR} is a symbolic link; links inside a checkpoint are not followed."
+        )
+    return [metadata, *names]
+
+
+def _verify_dcp_files(checkpoint_dir: Path, marker: Mapping[str, Any], hashes: bool) -> List[str]:
+    """
+    Check every DCP file against the marker, the work split across the workers when there is a
+    process group (each hashes its share; all learn every failure), and return the files' names
+    relative to the DCP directory.
+    """
+    names = _dcp_files(checkpoint_dir, marker)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    # Every worker reads the metadata itself, so every worker checks it itself.
+    mine = [names[0], *names[1:][rank::world_size]]
+    error: Optional[str] = None
+    try:
+        checkpointing.verify_files(checkpoint_dir, dict(marker), mine, hashes=hashes)
+    except CheckpointError as failure:
+        error = str(failure)
+    if distributed:
+        errors: List[Optional[str]] = [None] * world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return [name[len(DCP_DIR) + 1 :] for name in names]
+
+
+def _training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    """The sharded model (and optimizer) state, keyed by the plain model's parameter names."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optimizer_state}
+
+
+def save_sharded(
+    checkpoint_dir: Path,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    extra_states: Optional[Mapping[str, Any]] = None,
+    *,
+    step: Optional[int] = None,
+) -> Dict[str, Any]:
+    """
+    Save an FSDP2 model's and optimizer's shards with DCP, and this worker's ``extra_states``
+    (name -> state, e.g. ``{"trainer": ..., "lr_scheduler": ...}``, replicated or per-worker
+    values of plain types) as ``worker{rank}_{name}.pt``. Collective: every worker calls it.
+
+    Removes the directory's marker and any earlier DCP files first (a resumed run may save the
+    same step again). Returns, on every worker, the fields of the completion marker: the format,
+    ``world_size``, ``training_steps`` (``step``), the extra states' names (``files``) and every
+    file's size and SHA-256 (``digests``, gathered from all workers). The caller marks the
+    checkpoint complete after a barrier, on one worker::
+
+        fields = save_sharded(directory, model, optimizer, {"trainer": state}, step=step)
+        dist.barrier()
+        if rank == 0:
+            checkpointing.write_marker(directory, world_size=fields["world_size"], extra=fields)
+        dist.barrier()
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    extra_states = dict(extra_states or {})
+    for name in extra_states:
+        if not name.isidentifier():
+            raise ValueError(f"save_sharded: extra state names must be identifiers, got {name!r}.")
+    dcp_dir = checkpoint_dir / DCP_DIR
+    if rank == 0:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # The checkpoint stops counting before any file in it changes.
+        (checkpoint_dir / checkpointing.MARKER).unlink(missing_ok=True)
+        if dcp_dir.exists():
+            shutil.rmtree(dcp_dir)
+    dist.barrier()
+    dcp.save(
+        _training_state(model, optimizer),
+        storage_writer=dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True),
+    )
+    digests: Dict[str, Dict[str, Any]] = {}
+    # DCP names each worker's data file by its rank; its coordinator (rank 0) writes the metadata
+    # before save returns there.
+    own = sorted(dcp_dir.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        own.insert(0, dcp_dir / METADATA_FILE)
+    for path in own:
+        digests[f"{DCP_DIR}/{path.name}"] = checkpointing.file_digest(path)
+    for name, state in extra_states.items():
+        path = checkpointing.worker_file(checkpoint_dir, rank, name)
+        digests[path.name] = checkpointing.atomic_save(
+            checkpointing.with_header(state, kind=name, rank=rank, world_size=world_size, step=step), path
+        )
+    gathered: List[Optional[Dict[str, Dict[str, Any]]]] = [None] * world_size
+    dist.all_gather_object(gathered, digests)
+    merged: Dict[str, Dict[str, Any]] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return {
+        **MARKER_FIELDS,
+        "world_size": world_size,
+        "training_steps": step,
+        "files": sorted(extra_states),
+        "digests": dict(sorted(merged.items())),
+    }
+
+
+def load_sharded(
+    checkpoint_dir: Path,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    *,
+    hashes: bool = True,
+) -> Dict[str, Any]:
+    """
+    Load a complete checkpoint of :func:`save_sharded` into an FSDP2 ``model`` (and
+    ``optimizer``), saved by any number of workers: DCP reads each worker's part of every saved
+    shard. Collective: every worker calls it. Returns this worker's extra states (name -> state):
+    its own file, or worker 0's for a worker the saving run did not have.
+
+    Every file is checked against the marker before it is read, and nothing is unpickled beyond
+    DCP's metadata classes and plain values (see the module's docstring). A checkpoint of the
+    fairscale backend, or one that fails a check, is a :class:`CheckpointError` on every worker.
+    """
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    marker = _require_torch_marker(checkpoint_dir)
+    allowed = set(_verify_dcp_files(checkpoint_dir, marker, hashes))
+    state = _training_state(model, optimizer)
+    _dcp_call(
+        dcp.load,
+        state,
+        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
+        planner=_SafeLoadPlanner(),
+    )
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = dist.get_rank()
+    source = rank if rank < marker["world_size"] else 0
+    return {
+        name: checkpointing.read_worker_state(checkpoint_dir, marker, source, name, hashes=hashes)
+        for name in checkpointing.saved_file_names(marker)
+    }
+
+
+#: The path parts that wrappers add to parameter names: torch's checkpoint wrapper, FSDP1's.
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def plain_name(name: str) -> str:
+    """A parameter name without wrapper levels (``blocks.0._checkpoint_wrapped_module.linear.weight``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def consolidate_dcp(checkpoint_dir: Path, *, hashes: bool = True) -> Dict[str, torch.Tensor]:
+    """
+    The plain model's state dict (full tensors on the CPU, plain parameter names) from a complete
+    checkpoint of :func:`save_sharded`, read in this process alone (no process group needed, and
+    none used if there is one). Loads strictly into the unwrapped model. Holds the whole model in
+    memory; the optimizer state is not read.
+    """
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    marker = _require_torch_marker(checkpoint_dir)
+    names = _dcp_files(checkpoint_dir, marker)
+    checkpointing.verify_files(checkpoint_dir, marker, names, hashes=hashes)
+    allowed = {name[len(DCP_DIR) + 1 :] for name in names}
+    loaded: Dict[str, Any] = {}
+    _dcp_call(
+        _load_state_dict,
+        loaded,
+        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
+        planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}),
+        no_dist=True,
+    )
+    result: Dict[str, torch.Tensor] = {}
+    for key, value in loaded.get("model", {}).items():
+        clean = plain_name(key)
+        if clean in result:
+            raise CheckpointError(f"{checkpoint_dir}: two saved entries are both named {clean!r}.")
+        result[clean] = value
+    return result
+
+
+__all__ = [
+    "DCP_DIR",
+    "MARKER_FIELDS",
+    "METADATA_GLOBALS",
+    "consolidate_dcp",
+    "is_torch_checkpoint",
+    "load_sharded",
+    "plain_name",
+    "read_metadata",
+    "save_sharded",
+]
