@@ -8,7 +8,9 @@ import hashlib
 import json
 import os
 import pickle
+import queue
 import re
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Iterable, List, Optional
@@ -29,24 +31,44 @@ def worker_file(checkpoint_dir: Path, worker: int, name: str) -> Path:
     return Path(checkpoint_dir) / f"worker{worker}_{name}.pt"
 
 
+#: Writes smaller than this are copied before they are hashed on the hashing thread.
+_COPY_BELOW_BYTES = 1 << 20
+
+
 class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it."""
+    """
+    A write-only file object that hashes what passes through it, on a second thread: SHA-256
+    releases the GIL on large buffers, so hashing overlaps with ``torch.save``'s serialisation and
+    writing instead of adding to it. Large writes are views of tensor storage, which stays
+    untouched until ``torch.save`` returns (:meth:`finish` waits for the hash before that); small
+    ones (zip records) come from buffers ``torch.save`` reuses, so they are copied first.
+    """
 
     def __init__(self, handle: BinaryIO) -> None:
         self._handle = handle
         self._sha256 = hashlib.sha256()
+        self._pending: queue.SimpleQueue[Optional[memoryview]] = queue.SimpleQueue()
+        self._hasher = threading.Thread(target=self._hash, name="checkpoint-sha256", daemon=True)
+        self._hasher.start()
         self.size = 0
 
+    def _hash(self) -> None:
+        while (chunk := self._pending.get()) is not None:
+            self._sha256.update(chunk)
+
     def write(self, data: Any) -> int:
-        self._sha256.update(data)
-        self.size += len(memoryview(data).cast("B"))
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        self._pending.put(view if len(view) >= _COPY_BELOW_BYTES else memoryview(bytes(view)))
         return self._handle.write(data)
 
     def flush(self) -> None:
         self._handle.flush()
 
-    @property
-    def digest(self) -> Dict[str, Any]:
+    def finish(self) -> Dict[str, Any]:
+        """Wait for the hash of everything written; ``{"size", "sha256"}``."""
+        self._pending.put(None)
+        self._hasher.join()
         return {"size": self.size, "sha256": self._sha256.hexdigest()}
 
 
@@ -63,7 +85,10 @@ def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:
     try:
         with open(tmp, "xb") as handle:
             writer = _HashingWriter(handle)
-            torch.save(obj, writer)  # type: ignore[arg-type]
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+            finally:
+                digest = writer.finish()
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -71,7 +96,7 @@ def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:
     finally:
         if tmp.exists():
             tmp.unlink()
-    return writer.digest
+    return digest
 
 
 def file_digest(path: Path, chunk_bytes: int = 16 << 20) -> Dict[str, Any]:
