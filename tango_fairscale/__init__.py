@@ -12,10 +12,11 @@ under ``include_package`` in ``tango.yml``.
 """
 
 from . import checkpointing, compat
-from .callbacks import MemoryCallback
+from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
+from .metrics import MetricsLog
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
@@ -28,6 +29,8 @@ __all__ = [
     "FSDPConfig",
     "FairScaleTrainingEngine",
     "MemoryCallback",
+    "MetricsLog",
+    "RestoreRandomState",
     "WrapConfigurationError",
     "WrapPlan",
     "__version__",

@@ -7,6 +7,8 @@ Commands:
   sharded checkpoint, with no process group and no GPU.
 - ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]``: the wrap
   plan of a training step and the model state each worker will hold, without training.
+- ``plot WORK_DIR_OR_METRICS_FILE [-o OUT.png] [--keys loss,...]``: a PNG of the metrics log
+  that the ``fairscale::metrics`` callback wrote.
 
 A bad argument ends the command with one ``error: ...`` line on stderr and exit status 2.
 """
@@ -282,6 +284,85 @@ def plan_command(
             raise UsageError(f"cannot write --json {json_path}: {error.strerror or error}") from None
 
 
+def find_metrics_file(source: Path) -> Path:
+    """
+    The metrics file of ``source``: the file itself, or ``metrics.jsonl`` in a work directory
+    (or in its ``work`` subdirectory, for a step's directory such as ``WORKSPACE/latest/train``).
+    """
+    from .metrics import METRICS_FILE_NAME
+
+    if not source.exists():
+        raise UsageError(f"{source} does not exist")
+    if source.is_file():
+        return source
+    for candidate in (source / METRICS_FILE_NAME, source / "work" / METRICS_FILE_NAME):
+        if candidate.is_file():
+            return candidate
+    raise UsageError(
+        f"no {METRICS_FILE_NAME} in {source}: add the callback to the torch::train step "
+        '(callbacks: [{type: "fairscale::metrics"}]) and give its work directory'
+    )
+
+
+def _short_name(metrics_file: Path) -> str:
+    # The plot's title: the step's directory and the file, not a long absolute path that the
+    # figure would cut off.
+    parts = metrics_file.resolve().parts
+    return "/".join(parts[-3:] if len(parts) >= 3 and parts[-2] == "work" else parts[-2:])
+
+
+def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> None:
+    """Draw the metrics log of ``source`` (a work directory or a metrics file) into a PNG file."""
+    from .metrics import metric_keys, plot_metrics, read_metrics
+
+    # The arguments that need no file read are checked first.
+    if output is not None:
+        if output.is_dir():
+            raise UsageError(f"-o {output} is a directory: give the path of the .png file to write")
+        if output.suffix.lower() != ".png":
+            raise UsageError(f"-o {output}: the plot is a PNG image, give a file name ending in .png")
+    wanted: Optional[List[str]] = None
+    if keys is not None:
+        wanted = [key.strip() for key in keys.split(",") if key.strip()]
+        if not wanted:
+            raise UsageError(f"--keys {keys!r} names no metric: give a comma-separated list, e.g. loss,lr")
+    metrics_file = find_metrics_file(source)
+    try:
+        lines, skipped = read_metrics(metrics_file)
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {metrics_file}: {getattr(error, 'strerror', None) or error}") from None
+    available = metric_keys(lines)
+    if not available:
+        raise UsageError(
+            f"{metrics_file} has no metrics lines{f' ({skipped} unreadable)' if skipped else ''}"
+        )
+    if wanted is None:
+        wanted = available
+    else:
+        unknown = [key for key in wanted if key not in available]
+        if unknown:
+            raise UsageError(
+                f"--keys: no metric {', '.join(unknown)} in {metrics_file}; it has: {', '.join(available)}"
+            )
+    output = output if output is not None else metrics_file.with_suffix(".png")
+    steps = [line["step"] for line in lines]
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        panels = plot_metrics(
+            lines, wanted, output, title=f"{_short_name(metrics_file)}, steps {min(steps)}-{max(steps)}"
+        )
+    except ImportError:
+        raise UsageError(
+            "plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or install tango-fairscale with its [benchmarks] extra)"
+        ) from None
+    except OSError as error:
+        raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+    note = f"; skipped {skipped} unreadable line{'s' if skipped != 1 else ''}" if skipped else ""
+    summary = f"{len(panels)} panels ({', '.join(panels)}) from {len(lines)} lines of {metrics_file}"
+    print(f"Wrote {output}: {summary}{note}.")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its usage errors as the one ``error:`` line every other bad argument gets."""
 
@@ -359,6 +440,24 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     plan_parser.add_argument(
         "--json", type=Path, dest="json_path", help="also write the plan as JSON to this file"
     )
+
+    plot_parser = commands.add_parser(
+        "plot",
+        help="draw the metrics log of a training step (the fairscale::metrics callback) as a PNG",
+        description="Draw the metrics.jsonl that the fairscale::metrics callback writes into a training "
+        "step's work directory: one panel per metric over the steps, a metric's validation values in its "
+        "panel. Needs matplotlib.",
+    )
+    plot_parser.add_argument("source", type=Path, help="the step's work directory, or a metrics .jsonl file")
+    plot_parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="the .png file to write (default: the metrics file's path with .png, e.g. metrics.png)",
+    )
+    plot_parser.add_argument(
+        "--keys", help="comma-separated metrics to draw, in this order (default: all), e.g. loss,val_loss,lr"
+    )
     return parser
 
 
@@ -378,6 +477,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 overrides=args.overrides,
                 settings=args.settings,
             )
+        elif args.command == "plot":
+            plot_command(args.source, args.output, args.keys)
     except (UsageError, CheckpointError, ConfigurationError) as error:
         # Every line of the message, joined: some name the alternatives on a line of their own.
         print(f"error: {_one_line(error, lines=50)}", file=sys.stderr)

@@ -269,3 +269,50 @@ class ForgetfulInit(Model):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         prediction = self.second(self.first(x)).sum(-1)
         return {"loss": torch.nn.functional.mse_loss(prediction, y)}
+
+
+@Model.register("test::regressor_with_metrics")
+class RegressorWithMetrics(Model):
+    """
+    A small regressor whose forward also returns a scalar metric (``mae``), a Python number
+    (``batch_size``) and a non-scalar (``prediction``), for the ``fairscale::metrics`` tests.
+    """
+
+    def __init__(self, in_features: int = 8, width: int = 16) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, Any]:
+        prediction = self.head(torch.nn.functional.gelu(self.input(x))).squeeze(-1)
+        return {
+            "loss": torch.nn.functional.mse_loss(prediction, y),
+            "mae": (prediction - y).abs().mean().detach(),
+            "batch_size": x.shape[0],
+            "prediction": prediction.detach(),
+        }
+
+
+@TrainCallback.register("test::fail_once")
+class FailOnce(TrainCallback):
+    """
+    Raises on every worker before training step ``step`` (0-based), once: a marker file in the
+    work directory remembers it, so that re-running the same config resumes and finishes.
+    """
+
+    def __init__(self, *args: Any, step: int = 5, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = step
+        # Decided before training, so that worker 0 writing the marker cannot change worker 1's mind.
+        self.marker = self.train_config.work_dir / "failed_once"
+        self.fail = not self.marker.exists()
+
+    def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        if step == self.step and self.fail:
+            if self.is_local_main_process:
+                self.marker.touch()
+            # No worker raises before the marker is written (a raising worker gets the others
+            # terminated); every worker raises at this step, so none waits in a collective.
+            if self.train_config.is_distributed:
+                torch.distributed.barrier()
+            raise RuntimeError(f"deliberate failure before step {step}")

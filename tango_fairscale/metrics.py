@@ -1,0 +1,403 @@
+"""
+:class:`MetricsLog`: a per-step metrics log of a ``torch::train`` step, as JSON lines in the
+step's work directory, registered as the callback ``"fairscale::metrics"``; and
+:func:`read_metrics` / :func:`plot_metrics`, which ``python -m tango_fairscale plot`` uses.
+"""
+
+import json
+import math
+import numbers
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from tango.integrations.torch import TrainCallback
+
+from .callbacks import _batch_size, peak_memory_mib
+
+__all__ = ["METRICS_FILE_NAME", "MetricsLog", "plot_metrics", "read_metrics"]
+
+#: The file, in the training step's work directory, that :class:`MetricsLog` appends to.
+METRICS_FILE_NAME = "metrics.jsonl"
+
+#: The fields :class:`MetricsLog` writes itself; a model output of one of these names is written
+#: as ``output_<name>`` instead.
+RESERVED_FIELDS = ("step", "epoch", "kind", "loss", "lr", "samples_per_second", "peak_memory_mib", "time")
+
+#: Fields of a line that are not metrics (not plotted).
+NON_METRIC_FIELDS = ("step", "epoch", "kind", "time")
+
+
+def _scalar(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a single number (a one-element tensor, an int or a float), else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item()) if value.numel() == 1 else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _sums(outputs: Iterable[Mapping[str, Any]]) -> Dict[str, Tuple[float, int]]:
+    """Per key of ``outputs``' scalar values: their sum and how many there were."""
+    sums: Dict[str, Tuple[float, int]] = {}
+    for output in outputs:
+        for key, value in output.items():
+            number = _scalar(value)
+            if number is not None:
+                total, count = sums.get(key, (0.0, 0))
+                sums[key] = (total + number, count + 1)
+    return sums
+
+
+def _merge_means(per_worker: Sequence[Mapping[str, Tuple[float, int]]]) -> Dict[str, float]:
+    """The mean of each key over every value that every worker summed, keys in first-seen order."""
+    merged: Dict[str, Tuple[float, int]] = {}
+    for sums in per_worker:
+        for key, (total, count) in sums.items():
+            old_total, old_count = merged.get(key, (0.0, 0))
+            merged[key] = (old_total + total, old_count + count)
+    return {key: total / count for key, (total, count) in merged.items() if count}
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    # JSON has no NaN or infinity: such values are written as null, which keeps each line
+    # readable by any JSON parser.
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass
+class _Pending:
+    """A training step whose line waits for its optimizer step to finish."""
+
+    step: int  # Tango's 0-based step index
+    epoch: int
+    local_loss: float
+    outputs: Dict[str, Tuple[float, int]]
+    lr: Optional[float]
+    mean_loss: Optional[float] = None  # Tango's loss averaged over workers, when log_batch got it
+
+
+@TrainCallback.register("fairscale::metrics", exist_ok=True)
+class MetricsLog(TrainCallback):
+    """
+    Appends one JSON line per training step (and one per validation) to ``metrics.jsonl`` in
+    the step's work directory, on worker 0. Works with any training engine (``"fairscale"``,
+    Tango's ``"torch"``) and any number of workers.
+
+    .. tip::
+        Registered as a :class:`~tango.integrations.torch.TrainCallback` under the name
+        "fairscale::metrics". Add it with ``callbacks: [{type: "fairscale::metrics"}]``, and
+        plot the file with ``python -m tango_fairscale plot WORK_DIR``.
+
+    A training line (``"kind": "train"``) has:
+
+    - ``step``: optimizer steps done, counting this one (Tango's 0-based step index + 1, as in
+      Tango's W&B callback and the names of its ``checkpoint_state_step<N>`` directories);
+    - ``epoch``: Tango's 0-based epoch;
+    - ``loss``: the step's loss averaged over its micro-batches and over the workers (the
+      ``batch_loss`` Tango's ``log_batch`` gets; on steps where Tango does not call
+      ``log_batch``, computed the same way from each worker's loss);
+    - every scalar the model's ``forward`` returned (one-element tensors and numbers; other
+      values are skipped), under the model's name for it, averaged over the micro-batches and
+      the workers. The model's ``loss`` is the ``loss`` above; a name the line already uses
+      (``lr``, ``step``...) is written as ``output_<name>``;
+    - ``lr``: the learning rate of the optimizer's first parameter group for this step;
+    - ``samples_per_second``: the training throughput of all workers since the previous line:
+      the sum over workers of (samples of that worker's batches / that worker's wall time), the
+      wall time running from the start of the first step this run took. Data loading,
+      optimizer steps and checkpoint saves count, and so does the one-off set-up in a run's
+      first step, which makes that line's number low; validation loops do not, nor does what
+      Tango does between one and the next step (the checkpoint it saves after a validation);
+    - ``peak_memory_mib``: the highest peak memory of any worker so far
+      (:func:`~tango_fairscale.callbacks.peak_memory_mib`: allocated CUDA memory on GPUs, the
+      process's resident set size on CPU workers), measured after the step's optimizer step;
+    - ``time``: the Unix time at which the line was written.
+
+    A validation line (``"kind": "validation"``), after each validation loop, has ``step``,
+    ``epoch``, ``time``, ``val_<name>`` for every scalar the model returned in validation
+    (averaged over all validation batches of all workers), with ``val_<val_metric_name>`` being
+    Tango's own validation metric, and ``best_val_<val_metric_name>``.
+
+    A step's line is written once its optimizer step is done, when the next step (or a
+    validation loop, or the end of training) starts; each line is flushed as it is written, so
+    a crashed run keeps the lines of the steps it finished. Non-finite numbers are written as
+    ``null``. Writing a line takes one small ``all_gather_object`` over the workers.
+
+    **Resuming.** The file always describes the run that continues: when a run starts, it first
+    drops every line whose ``step`` is greater than the number of steps already done, that is
+    the checkpoint it resumed from (all lines when it starts from scratch, e.g. after a crash
+    before the first checkpoint). The steps redone after a resume are thus logged once, by the
+    run that redid them, and ``step`` values never repeat within a kind. (Unparsable lines, the
+    half-written end of a crashed run, are dropped too.)
+
+    :param every:
+        Write a training line every this many steps, and for the first and the last step (the
+        rule of Tango's ``log_every``). Samples/s then covers all the steps since the previous
+        line. Validation lines are always written. Default: every step.
+    """
+
+    def __init__(self, *args: Any, every: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if every < 1:
+            raise ValueError(f"fairscale::metrics: every must be >= 1, got {every}")
+        self.every = every
+        self._started = False
+        self._pending: Optional[_Pending] = None
+        self._lr: Optional[float] = None
+        self._samples = 0  # this worker's samples since the previous line
+        self._seconds = 0.0  # this worker's training time since the previous line, clock aside
+        self._clock: Optional[float] = None  # perf_counter() when the running clock started
+        self._val_sums: Dict[str, Tuple[float, int]] = {}
+
+    @property
+    def path(self) -> Path:
+        """The metrics file: ``metrics.jsonl`` in the step's work directory."""
+        return self.work_dir / METRICS_FILE_NAME
+
+    # --- Tango's hooks ------------------------------------------------------------------------
+
+    def pre_batch(self, step: int, epoch: int, batch: List[Dict[str, Any]]) -> None:
+        """Writes the previous step's line, and starts counting this step's samples."""
+        if not self._started:
+            # The first step this run takes is the number of steps done before it (0 unless
+            # it resumed): no callback hook gets the resume step more directly.
+            self._started = True
+            if self.is_local_main_process:
+                self._drop_lines_after(step)
+        self._flush()
+        if self._clock is None:
+            self._clock = time.perf_counter()
+        self._samples += sum(_batch_size(micro_batch) for micro_batch in batch)
+        # Read before the optimizer step: the engine steps the LR scheduler right after it.
+        self._lr = self._current_lr()
+
+    def post_batch(
+        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
+    ) -> None:
+        """Keeps the step's loss and scalar outputs until its optimizer step is done."""
+        self._pending = _Pending(step, epoch, batch_loss, _sums(batch_outputs), self._lr)
+
+    def log_batch(
+        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
+    ) -> None:
+        """Takes Tango's loss averaged over the workers (this hook only runs on Tango's log steps)."""
+        if self._pending is not None and self._pending.step == step:
+            self._pending.mean_loss = batch_loss
+
+    def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
+        """Writes the step's line and stops the clock for the validation loop."""
+        self._flush()
+        self._stop_clock()
+        if val_step == 0:
+            self._val_sums = {}
+
+    def post_val_batch(self, step: int, val_step: int, epoch: int, val_batch_outputs: Dict[str, Any]) -> None:
+        """Adds up the validation batch's scalar outputs."""
+        for key, (total, count) in _sums([val_batch_outputs]).items():
+            old_total, old_count = self._val_sums.get(key, (0.0, 0))
+            self._val_sums[key] = (old_total + total, old_count + count)
+
+    def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
+        """Writes the validation line."""
+        self._flush()  # in case the loop had no batches
+        self._stop_clock()
+        per_worker = self._gather(self._val_sums)
+        self._val_sums = {}
+        if not self.is_local_main_process:
+            return
+        name = self.train_config.val_metric_name
+        line: Dict[str, Any] = {"step": step + 1, "epoch": epoch, "kind": "validation"}
+        line.update({f"val_{key}": value for key, value in _merge_means(per_worker).items()})
+        # Tango's values: what it compares to pick the best checkpoint.
+        line[f"val_{name}"] = val_metric
+        line[f"best_val_{name}"] = best_val_metric
+        line["time"] = time.time()
+        self._append(line)
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        """Writes the last step's line."""
+        self._flush()
+
+    # --- the lines ----------------------------------------------------------------------------
+
+    def _should_write(self, step: int) -> bool:
+        last = self.train_config.train_steps
+        return step == 0 or (step + 1) % self.every == 0 or (last is not None and step == last - 1)
+
+    def _flush(self) -> None:
+        """
+        Write the pending step's line. Every worker calls this at the same points (Tango calls
+        every hook on every worker), so the gather inside cannot leave one waiting.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or not self._should_write(pending.step):
+            return  # the samples and seconds go into the next line
+        now = time.perf_counter()
+        seconds = self._seconds + (now - self._clock if self._clock is not None else 0.0)
+        local = {
+            "loss": pending.local_loss,
+            "outputs": pending.outputs,
+            "samples": self._samples,
+            "seconds": seconds,
+            "peak": peak_memory_mib(self.train_config.worker_local_default_device),
+        }
+        self._samples, self._seconds = 0, 0.0
+        if self._clock is not None:
+            self._clock = now
+        gathered = self._gather(local)
+        if not self.is_local_main_process:
+            return
+        loss = pending.mean_loss
+        if loss is None:
+            loss = pending.local_loss
+            if len(gathered) > 1:
+                # As Tango averages it: a float32 sum over the workers, divided by their number.
+                total = torch.tensor([w["loss"] for w in gathered], dtype=torch.float32).sum()
+                loss = total.item() / len(gathered)
+        line: Dict[str, Any] = {
+            "step": pending.step + 1,
+            "epoch": pending.epoch,
+            "kind": "train",
+            "loss": loss,
+        }
+        for key, value in _merge_means([w["outputs"] for w in gathered]).items():
+            if key == "loss":
+                continue  # the same values as Tango's batch loss, which is `loss` already
+            line[f"output_{key}" if key in RESERVED_FIELDS else key] = value
+        line["lr"] = pending.lr
+        line["samples_per_second"] = sum(w["samples"] / w["seconds"] for w in gathered if w["seconds"] > 0)
+        line["peak_memory_mib"] = max(w["peak"] for w in gathered)
+        line["time"] = time.time()
+        self._append(line)
+
+    def _stop_clock(self) -> None:
+        if self._clock is not None:
+            self._seconds += time.perf_counter() - self._clock
+            self._clock = None
+
+    def _current_lr(self) -> Optional[float]:
+        optimizer = getattr(self.training_engine, "optimizer", None)
+        groups = getattr(optimizer, "param_groups", None)
+        if not groups:
+            return None
+        return _scalar(groups[0].get("lr"))
+
+    def _gather(self, local: Any) -> List[Any]:
+        if self.train_config.is_distributed and dist.is_available() and dist.is_initialized():
+            gathered: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+            return gathered
+        return [local]
+
+    def _append(self, line: Dict[str, Any]) -> None:
+        line = {key: _finite(value) if isinstance(value, float) else value for key, value in line.items()}
+        # Opened, written and flushed per line: a crash (of this process) loses no finished line.
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(line, allow_nan=False) + "\n")
+            handle.flush()
+
+    def _drop_lines_after(self, steps_done: int) -> None:
+        """Keep only the lines of the first ``steps_done`` steps (see "Resuming" above)."""
+        if not self.path.exists():
+            return
+        kept = []
+        for text in self.path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(line, dict) and isinstance(line.get("step"), int) and line["step"] <= steps_done:
+                kept.append(text + "\n")
+        # Replaced in one rename, so a crash now leaves either the old file or the new one.
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text("".join(kept))
+        os.replace(temporary, self.path)
+
+
+# --- reading and plotting ---------------------------------------------------------------------
+
+
+def read_metrics(path: Path) -> Tuple[List[Dict[str, Any]], int]:
+    """The lines of a metrics file as dicts, and how many lines could not be read (skipped)."""
+    lines: List[Dict[str, Any]] = []
+    skipped = 0
+    for text in Path(path).read_text().splitlines():
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            skipped += 1
+            continue
+        if isinstance(line, dict) and isinstance(line.get("step"), (int, float)):
+            lines.append(line)
+        else:
+            skipped += 1
+    return lines, skipped
+
+
+def metric_keys(lines: Iterable[Mapping[str, Any]]) -> List[str]:
+    """The numeric fields of ``lines`` (not ``step``, ``epoch``, ``time``), in first-seen order."""
+    keys: Dict[str, None] = {}
+    for line in lines:
+        for key, value in line.items():
+            if key not in NON_METRIC_FIELDS and _scalar(value) is not None:
+                keys.setdefault(key)
+    return list(keys)
+
+
+def panel_name(key: str) -> str:
+    """The panel a metric is drawn in: ``val_loss`` and ``best_val_loss`` go with ``loss``."""
+    for prefix in ("best_val_", "val_"):
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def plot_metrics(
+    lines: Sequence[Mapping[str, Any]], keys: Sequence[str], output: Path, title: str = ""
+) -> List[str]:
+    """
+    Draw ``keys`` of ``lines`` over the steps into the PNG file ``output``: one panel per metric,
+    a metric's validation values (``val_<key>``, ``best_val_<key>``) in its panel. Returns the
+    panels' names. Needs matplotlib (raises ImportError without it); draws with its Agg
+    backend and never touches pyplot's global state.
+    """
+    import matplotlib  # noqa: F401 - imported first so that a missing matplotlib is an ImportError here
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels: Dict[str, List[str]] = {}
+    for key in keys:
+        panels.setdefault(panel_name(key), []).append(key)
+    columns = 1 if len(panels) == 1 else 2
+    rows = math.ceil(len(panels) / columns)
+    figure = Figure(figsize=(6 * columns, 2.8 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(rows, columns, squeeze=False).flatten()
+    for ax, (name, series) in zip(axes, panels.items()):
+        for key in series:
+            points = [(line["step"], _scalar(line.get(key))) for line in lines]
+            xs = [step for step, value in points if value is not None and math.isfinite(value)]
+            ys = [value for _, value in points if value is not None and math.isfinite(value)]
+            if key.startswith("best_val_"):
+                ax.plot(xs, ys, linestyle="--", drawstyle="steps-post", label="best validation")
+            elif key.startswith("val_"):
+                ax.plot(xs, ys, marker="o", markersize=4, label="validation")
+            else:
+                ax.plot(xs, ys, marker="." if len(xs) <= 50 else None, label="train")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize="small")
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    if title:
+        figure.suptitle(title, fontsize="medium")
+    figure.savefig(output, format="png", dpi=100)
+    return list(panels)

@@ -1,0 +1,402 @@
+"""
+The ``fairscale::metrics`` callback (``tango_fairscale.metrics.MetricsLog``) and the ``plot``
+command: the callback driven hook by hook as Tango's training loop drives it, inside a real
+in-process Tango run with Tango's ``"torch"`` engine, and end to end on 2 CPU workers with the
+``"fairscale"`` engine, through a crash and a resume.
+"""
+
+import json
+import math
+import re
+import struct
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+from tango.common import Lazy, Params
+from tango.integrations.torch import DataLoader, TorchTrainStep, TrainConfig, TrainingEngine
+from tango.workspaces import LocalWorkspace
+
+from tango_fairscale import metrics
+from tango_fairscale.cli import main
+from tango_fairscale.metrics import METRICS_FILE_NAME, MetricsLog
+from tests.components import RecordLosses, RegressorWithMetrics
+from tests.helpers import run_tango, train_config, train_work_dir
+from tests.test_cli import fails
+
+
+@pytest.fixture(autouse=True)
+def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in test_cli: Tango's import_extra_module puts the current directory first on sys.path.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def read_lines(path: Path) -> List[Dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def png_size(path: Path) -> Tuple[int, int]:
+    """Width and height of a PNG file, after checking its signature and header chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+class FakeClock:
+    """Stands in for time.perf_counter, so that samples/s can be checked exactly."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_callback(tmp_path: Path, train_steps: int, **kwargs: Any) -> MetricsLog:
+    """A MetricsLog over a real TrainConfig and a real optimizer and LR schedule (halving every step)."""
+    # devices [-1]: a CPU worker even where there is a GPU, so that peak memory is the RSS.
+    config = TrainConfig(step_id="test", work_dir=tmp_path, train_steps=train_steps, devices=[-1])
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=0.8)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine = SimpleNamespace(optimizer=optimizer, lr_scheduler=scheduler)
+    return MetricsLog(
+        workspace=None,  # type: ignore[arg-type]  # not used by the callback
+        train_config=config,
+        training_engine=engine,  # type: ignore[arg-type]  # the callback reads only .optimizer
+        dataset_dict=None,  # type: ignore[arg-type]
+        train_dataloader=None,  # type: ignore[arg-type]
+        **kwargs,
+    )
+
+
+def micro_batch(size: int) -> Dict[str, torch.Tensor]:
+    return {"x": torch.zeros(size, 8), "y": torch.zeros(size)}
+
+
+def train_step(
+    callback: MetricsLog,
+    clock: FakeClock,
+    step: int,
+    outputs: List[Dict[str, Any]],
+    *,
+    seconds: float = 1.0,
+    logged_loss: Any = None,
+) -> None:
+    """One step as Tango's loop makes it: pre_batch, post_batch, the optimizer step, maybe log_batch."""
+    callback.pre_batch(step, 0, [micro_batch(4) for _ in outputs])
+    loss = sum(float(output["loss"]) for output in outputs) / len(outputs)
+    callback.post_batch(step, 0, loss, outputs)
+    # The engine's step, as Tango's TorchTrainingEngine.step orders it: optimizer, then schedule.
+    engine: Any = callback.training_engine
+    engine.optimizer.step()
+    engine.lr_scheduler.step()
+    clock.now += seconds
+    if logged_loss is not None:
+        callback.log_batch(step, 0, logged_loss, outputs)
+
+
+def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    callback = make_callback(tmp_path, train_steps=3)
+    callback.pre_train_loop()
+    # Two micro-batches a step (gradient accumulation): scalars are averaged over them.
+    step0 = [
+        {"loss": torch.tensor(1.0), "mae": torch.tensor(0.5), "count": 3, "prediction": torch.ones(4)},
+        {"loss": torch.tensor(3.0), "mae": torch.tensor([1.5]), "count": 5, "prediction": torch.ones(4)},
+    ]
+    # Tango's log_batch loss (averaged over workers) is the one written when Tango gives it.
+    train_step(callback, clock, 0, step0, seconds=2.0, logged_loss=1.75)
+    step1 = [
+        {"loss": torch.tensor(2.0), "mae": 0.25, "lr": torch.tensor(9.0), "flag": True},
+        {"loss": torch.tensor(2.0), "mae": float("nan"), "lr": torch.tensor(7.0), "flag": False},
+    ]
+    train_step(callback, clock, 1, step1, seconds=4.0)  # not a Tango log step: no log_batch
+    # A validation loop: 10 s that samples/s leaves out.
+    callback.pre_val_batch(1, 0, 0, micro_batch(4))
+    clock.now += 10.0
+    callback.post_val_batch(1, 0, 0, {"loss": torch.tensor(0.5), "mae": torch.tensor(0.25)})
+    callback.pre_val_batch(1, 1, 0, micro_batch(4))
+    callback.post_val_batch(1, 1, 0, {"loss": torch.tensor(1.5), "mae": torch.tensor(0.75)})
+    callback.post_val_loop(1, 0, val_metric=1.0, best_val_metric=0.9)
+    train_step(callback, clock, 2, [{"loss": torch.tensor(0.5)}], seconds=1.0, logged_loss=0.5)
+    callback.post_train_loop(2, 0)
+
+    lines = read_lines(tmp_path / METRICS_FILE_NAME)
+    assert [(line["kind"], line["step"]) for line in lines] == [
+        ("train", 1),
+        ("train", 2),
+        ("validation", 2),
+        ("train", 3),
+    ]
+    first, second, validation, third = lines
+    assert first["loss"] == 1.75 and first["mae"] == 1.0 and first["count"] == 4.0
+    assert "prediction" not in first  # not a scalar
+    assert first["lr"] == 0.8  # the rate this step's optimizer step used, not the next one's
+    # 8 samples in 2 s, the clock started by the first pre_batch.
+    assert first["samples_per_second"] == 4.0
+    assert first["peak_memory_mib"] > 10  # this process's peak RSS (a CPU "device")
+    # The worker's own loss where Tango gave none; a model output named like a field is renamed;
+    # a NaN mean is null (JSON has no NaN); booleans are not numbers to plot.
+    assert second["loss"] == 2.0 and second["output_lr"] == 8.0 and second["mae"] is None
+    assert "flag" not in second and second["lr"] == 0.4
+    assert second["samples_per_second"] == 2.0  # 8 samples in 4 s
+    assert validation == {
+        "step": 2,
+        "epoch": 0,
+        "kind": "validation",
+        "val_loss": 1.0,  # Tango's metric
+        "val_mae": 0.5,
+        "best_val_loss": 0.9,
+        "time": validation["time"],
+    }
+    # The validation's 10 s are not in the third step's time: 4 samples in 1 s.
+    assert third["samples_per_second"] == 4.0 and third["lr"] == 0.2
+    assert first["time"] <= second["time"] <= validation["time"] <= third["time"]
+
+
+def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    callback = make_callback(tmp_path, train_steps=5, every=2)
+    for step in range(5):
+        train_step(callback, clock, step, [{"loss": torch.tensor(float(step))}])
+    callback.post_train_loop(4, 0)
+    lines = read_lines(tmp_path / METRICS_FILE_NAME)
+    assert [line["step"] for line in lines] == [1, 2, 4, 5]
+    assert [line["loss"] for line in lines] == [0.0, 1.0, 3.0, 4.0]
+    # Samples/s covers every step since the previous line: 2 steps of 4 samples in 2 s.
+    assert [line["samples_per_second"] for line in lines] == [4.0, 4.0, 4.0, 4.0]
+
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        make_callback(tmp_path, train_steps=5, every=0)
+
+
+def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    path = tmp_path / METRICS_FILE_NAME
+    before = [{"step": step, "kind": "train", "loss": 10.0 + step} for step in range(1, 7)]
+    before.insert(4, {"step": 4, "kind": "validation", "val_loss": 1.0})
+    # A crash while writing leaves half a line at the end.
+    path.write_text("".join(json.dumps(line) + "\n" for line in before) + '{"step": 7, "kind": "tr')
+
+    # Resumed from the checkpoint after 4 steps: Tango's first step is step index 4.
+    callback = make_callback(tmp_path, train_steps=6)
+    for step in (4, 5):
+        train_step(callback, clock, step, [{"loss": torch.tensor(float(step))}])
+    callback.post_train_loop(5, 0)
+    lines = read_lines(path)
+    assert [(line["kind"], line["step"], line.get("loss")) for line in lines] == [
+        ("train", 1, 11.0),
+        ("train", 2, 12.0),
+        ("train", 3, 13.0),
+        ("train", 4, 14.0),
+        ("validation", 4, None),
+        ("train", 5, 4.0),
+        ("train", 6, 5.0),
+    ]
+
+    # A run starting from scratch (it crashed before its first checkpoint) starts the file over.
+    fresh = make_callback(tmp_path, train_steps=1)
+    train_step(fresh, clock, 0, [{"loss": torch.tensor(0.25)}])
+    fresh.post_train_loop(0, 0)
+    assert [(line["step"], line["loss"]) for line in read_lines(path)] == [(1, 0.25)]
+
+
+def test_in_a_tango_run_with_the_torch_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tango's own "torch" engine, one process, in this process (Tango records the git remote of
+    # a run started from a repository's root: start it elsewhere). grad_accum 2 and log_every 3:
+    # a line for every step, though Tango's log_batch runs on steps 0, 2, 5 and 6 only.
+    from examples.toy.components import RegressionData
+
+    monkeypatch.chdir(tmp_path)
+    data = RegressionData(step_name="data", in_features=8, train_size=64, validation_size=32)
+    train = TorchTrainStep(
+        step_name="train",
+        model=Lazy(RegressorWithMetrics, Params({"in_features": 8, "width": 8})),
+        training_engine=Lazy(
+            TrainingEngine,
+            Params({"type": "torch", "optimizer": {"type": "torch::SGD", "lr": 0.1}}),
+        ),
+        dataset_dict=data,
+        train_dataloader=Lazy(DataLoader, Params({"batch_size": 4, "shuffle": True})),
+        validation_split="validation",
+        validation_dataloader=Lazy(DataLoader, Params({"batch_size": 16})),
+        train_steps=7,
+        grad_accum=2,
+        log_every=3,
+        validate_every=7,
+        checkpoint_every=7,
+        callbacks=[Lazy(MetricsLog), Lazy(RecordLosses)],
+    )
+    workspace = LocalWorkspace(tmp_path / "ws")
+    train.result(workspace)
+    work_dir = workspace.work_dir(train)
+    lines = read_lines(work_dir / METRICS_FILE_NAME)
+    losses = json.loads((work_dir / "losses.json").read_text())
+    training = [line for line in lines if line["kind"] == "train"]
+    assert [line["step"] for line in training] == list(range(1, 8))
+    assert sorted(int(step) for step in losses) == [0, 2, 5, 6]
+    for step, loss in losses.items():
+        assert training[int(step)]["loss"] == loss
+    for line in training:
+        assert line["batch_size"] == 4.0 and "prediction" not in line and line["lr"] == 0.1
+        assert line["mae"] ** 2 <= line["loss"]  # (mean |e|)^2 <= mean e^2, averaged alike
+        assert line["samples_per_second"] > 0
+    (validation,) = [line for line in lines if line["kind"] == "validation"]
+    assert validation["step"] == 7 and validation["val_batch_size"] == 16.0
+    assert validation["val_loss"] == validation["best_val_loss"]
+    assert validation["val_mae"] ** 2 <= validation["val_loss"]
+
+
+# --- the plot command --------------------------------------------------------------------------
+
+
+def write_metrics(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines: List[Dict[str, Any]] = []
+    for step in range(1, 11):
+        lines.append({"step": step, "epoch": 0, "kind": "train", "loss": 1.0 / step, "mae": 0.5 / step})
+        lines[-1].update(
+            {"lr": 0.01, "samples_per_second": 100.0 + step, "peak_memory_mib": 300.0, "time": 1.0}
+        )
+        if step % 5 == 0:
+            lines.append(
+                {"step": step, "kind": "validation", "val_loss": 1.2 / step, "best_val_loss": 1.2 / step}
+            )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 11, "lo')
+    return path
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    work_dir = tmp_path / "work"
+    write_metrics(work_dir / METRICS_FILE_NAME)
+    assert main(["plot", str(work_dir)]) == 0
+    out = capsys.readouterr().out
+    # loss, val_loss and best_val_loss share a panel.
+    assert "5 panels (loss, mae, lr, samples_per_second, peak_memory_mib)" in out
+    assert "skipped 1 unreadable line" in out
+    width, height = png_size(work_dir / "metrics.png")
+    assert width >= 1000 and height >= 700  # two columns, three rows
+
+    # --keys: those panels only, in that order; a step's directory (WORKSPACE/latest/<step>) works too.
+    assert (
+        main(["plot", str(tmp_path), "--keys", "val_loss, loss", "-o", str(tmp_path / "a" / "loss.png")]) == 0
+    )
+    assert "1 panels (loss)" in capsys.readouterr().out
+    width, height = png_size(tmp_path / "a" / "loss.png")
+    assert width == 600 and height == 340
+
+
+def test_plot_argument_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics_file = write_metrics(tmp_path / "work" / METRICS_FILE_NAME)
+    assert "does not exist" in fails(capsys, ["plot", str(tmp_path / "nothing")])
+    (tmp_path / "empty_dir").mkdir()
+    message = fails(capsys, ["plot", str(tmp_path / "empty_dir")])
+    assert "no metrics.jsonl in" in message and "fairscale::metrics" in message
+    assert "is a directory" in fails(capsys, ["plot", str(metrics_file), "-o", str(tmp_path)])
+    assert "ending in .png" in fails(capsys, ["plot", str(metrics_file), "-o", str(tmp_path / "x.pdf")])
+    assert "names no metric" in fails(capsys, ["plot", str(metrics_file), "--keys", " , "])
+    message = fails(capsys, ["plot", str(metrics_file), "--keys", "loss,accuracy"])
+    assert "no metric accuracy" in message and "it has: loss, mae, lr" in message
+    (tmp_path / "junk.jsonl").write_text('not json\n{"step": 1, "kind": "train"}\n')
+    assert "has no metrics lines (1 unreadable)" in fails(capsys, ["plot", str(tmp_path / "junk.jsonl")])
+    assert "error: the following arguments are required" in fails(capsys, ["plot"])
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    message = fails(capsys, ["plot", str(metrics_file)])
+    assert "pip install matplotlib" in message
+    assert not (metrics_file.parent / "metrics.png").exists()
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # 8 steps on 2 CPU workers, a checkpoint and a validation every 4. The first run fails on
+    # every worker before step index 6, after the lines of steps 1-6; the re-run resumes from
+    # the checkpoint after step 4 and redoes steps 5 and 6.
+    config = train_config(
+        engine="fairscale",
+        model={"type": "test::regressor_with_metrics", "in_features": 8, "width": 16},
+        train_steps=8,
+        checkpoint_every=4,
+        validate=True,
+        callbacks=[
+            {"type": "fairscale::metrics"},
+            {"type": "test::record_losses"},
+            {"type": "test::fail_once", "step": 6},
+        ],
+    )
+    workspace, cwd = tmp_path / "ws", tmp_path / "cwd"
+    first = run_tango(config, workspace, cwd=cwd, check=False)
+    assert first.returncode != 0 and "deliberate failure before step 6" in first.stdout + first.stderr
+    work_dir = train_work_dir(workspace)
+    path = work_dir / METRICS_FILE_NAME
+    crashed = read_lines(path)
+    assert [(line["kind"], line["step"]) for line in crashed] == [
+        *(("train", step) for step in range(1, 5)),
+        ("validation", 4),
+        ("train", 5),
+        ("train", 6),
+    ]
+    first_losses = json.loads((work_dir / "losses.json").read_text())
+    for line in crashed:
+        if line["kind"] == "train":
+            assert line["loss"] == first_losses[str(line["step"] - 1)]
+
+    second = run_tango(config, workspace, cwd=cwd)
+    assert re.search(
+        r"Recovering from previous run at \S*checkpoint_state_step4", second.stdout + second.stderr
+    )
+    lines = read_lines(path)
+    # Each step once: the first run's 1-4 and validation at 4, the re-run's 5-8 and validation at 8.
+    assert [(line["kind"], line["step"]) for line in lines] == [
+        *(("train", step) for step in range(1, 5)),
+        ("validation", 4),
+        *(("train", step) for step in range(5, 9)),
+        ("validation", 8),
+    ]
+    assert lines[:5] == crashed[:5]
+    # losses.json has the re-run's losses for the steps it redid, as metrics.jsonl does.
+    losses = json.loads((work_dir / "losses.json").read_text())
+    training = [line for line in lines if line["kind"] == "train"]
+    assert {str(line["step"] - 1): line["loss"] for line in training} == losses
+    for line in training:
+        # Each worker's own batch of 8; the model's metric averaged over the workers alike.
+        assert line["batch_size"] == 8.0 and "prediction" not in line
+        assert 0 < line["mae"] and line["mae"] ** 2 <= line["loss"]
+        # train_config's StepLR: 0.01, halved after every 4 steps.
+        assert line["lr"] == pytest.approx(0.01 if line["step"] <= 4 else 0.005)
+        assert line["samples_per_second"] > 0 and line["peak_memory_mib"] > 50
+        assert line["epoch"] == 0  # 256 samples, 16 a step: one epoch is 16 steps
+    for line in (lines[4], lines[-1]):
+        assert set(line) == {
+            "step",
+            "epoch",
+            "kind",
+            "val_loss",
+            "val_mae",
+            "val_batch_size",
+            "best_val_loss",
+            "time",
+        }
+        assert line["val_batch_size"] == 16.0 and math.isfinite(line["val_loss"])
+    assert lines[-1]["best_val_loss"] == min(lines[4]["val_loss"], lines[-1]["val_loss"])
+
+    assert main(["plot", str(work_dir)]) == 0
+    assert (
+        "6 panels (loss, mae, batch_size, lr, samples_per_second, peak_memory_mib)" in capsys.readouterr().out
+    )
+    width, height = png_size(work_dir / "metrics.png")
+    assert width > 0 and height > 0 and (work_dir / "metrics.png").stat().st_size > 10_000
