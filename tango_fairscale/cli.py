@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
 from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
 
-from . import checkpointing
+from . import checkpointing, consolidation
 from .errors import CheckpointError
 
 TRAIN_STEP_TYPE = "torch::train"
@@ -78,21 +78,12 @@ def consolidate(
     marker = checkpointing.read_marker(checkpoint_dir)
     assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
-    kinds = ["model", "optimizer"] if with_optimizer else ["model"]
-    loaded: Dict[str, List[Any]] = {kind: [] for kind in kinds}
-    with tqdm(total=world_size * len(kinds), desc="Reading shards", unit="file") as progress:
-        for kind in kinds:
-            for worker in range(world_size):
-                # Checked against the marker's sizes and hashes and the file's own header.
-                loaded[kind].append(checkpointing.read_worker_state(checkpoint_dir, marker, worker, kind))
-                progress.update()
-    model = checkpointing.consolidate_model_state(loaded["model"])
-    result: Dict[str, Any] = dict(model)
-    if with_optimizer:
-        result = {
-            "model": model,
-            "optimizer": checkpointing.consolidate_optimizer_state(loaded["model"], loaded["optimizer"]),
-        }
+    total = consolidation.files_to_read(marker, with_optimizer)
+    with tqdm(total=total, desc="Reading shards", unit="file") as progress:
+        result = consolidation.consolidate(
+            checkpoint_dir, with_optimizer=with_optimizer, progress=lambda: progress.update()
+        )
+    model = result["model"] if with_optimizer else result
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         checkpointing.atomic_save(result, output)

@@ -28,6 +28,22 @@ def check_distributed(distributed: bool, device_count: int) -> None:
         )
 
 
+#: The sharding backends: FairScale's FSDP, and PyTorch's own FSDP2 (``fully_shard``).
+BACKENDS = ("fairscale", "torch")
+
+
+def check_backend(
+    backend: Any, fsdp_config: Optional[FSDPConfig], where: str = f"{_PREFIX}fsdp_config"
+) -> None:
+    """The backend's name, and every ``fsdp_config`` field that the backend cannot honour."""
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"{_PREFIX}backend: must be one of {list(BACKENDS)}, got {backend!r}.")
+    if backend == "torch" and fsdp_config is not None:
+        from .backends.torch_fsdp import check_options
+
+        check_options(fsdp_config, where=where)
+
+
 def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:
     """The autocast dtype: bfloat16 on CPU workers unless asked otherwise, float16 on GPUs."""
     if amp_use_bfloat16 is None:
@@ -44,6 +60,7 @@ def check_engine_options(
     amp_use_bfloat16: Any = None,
     max_grad_norm: Any = None,
     fsdp_config: Optional[FSDPConfig] = None,
+    backend: Any = "fairscale",
     warn: bool = True,
 ) -> None:
     """
@@ -51,6 +68,7 @@ def check_engine_options(
     ``warn``) warn about those that run but are likely mistakes.
     """
     check_distributed(distributed, device_count)
+    check_backend(backend, fsdp_config)
     for name, value in (("amp", amp), ("amp_use_bfloat16", amp_use_bfloat16)):
         if value is not None and not isinstance(value, bool):
             raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")

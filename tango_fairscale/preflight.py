@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from . import checkpointing
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .options import check_engine_options
+from .options import check_backend, check_engine_options
 from .wrapping import WRAPPER_TYPE, check_list_option
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ def check_engine(
         amp_use_bfloat16=engine.get("amp_use_bfloat16"),
         max_grad_norm=engine.get("max_grad_norm"),
         fsdp_config=fsdp_config,
+        backend=engine.get("backend", "fairscale"),
         warn=False,
     )
     source = engine.get("resume_from_checkpoint")
@@ -157,13 +158,26 @@ def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: st
 
 
 def check_model(
-    model: Any, engine_fsdp_config: Optional[FSDPConfig], amp: bool = False, init_on_meta: bool = False
+    model: Any,
+    engine_fsdp_config: Optional[FSDPConfig],
+    amp: bool = False,
+    init_on_meta: bool = False,
+    backend: str = "fairscale",
 ) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
     config = _params_of(model) if isinstance(model, Lazy) else {}
     if config.get("type") == WRAPPER_TYPE:
         check_list_option("modules_to_wrap", config.get("modules_to_wrap"), "regex strings")
         check_list_option("wrap_module_classes", config.get("wrap_module_classes"), "class names")
+        if config.get("fsdp_config") is not None:
+            check_backend(
+                backend, FSDPConfig.from_params(Params(dict(config["fsdp_config"]))), "model.fsdp_config"
+            )
+        if backend == "torch" and config.get("offload_activations"):
+            raise ConfigurationError(
+                "model.offload_activations: not supported by the torch backend (torch's checkpoint wrapper "
+                'has no activation offload); remove it or use backend: "fairscale".'
+            )
     if config.get("type") == WRAPPER_TYPE and config.get("fsdp_config") is not None:
         wrapper_fsdp_config = FSDPConfig.from_params(Params(dict(config["fsdp_config"])))
         engine_side = engine_fsdp_config or FSDPConfig()
@@ -294,4 +308,5 @@ def _preflight(
         fsdp_config,
         amp=bool(engine.get("amp", False)),
         init_on_meta=bool(engine.get("init_on_meta", False)),
+        backend=engine.get("backend", "fairscale"),
     )

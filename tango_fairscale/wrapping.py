@@ -7,9 +7,11 @@ Wrapping a model's submodules in FSDP units and/or activation checkpointing:
 import difflib
 import logging
 import re
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Pattern, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,30 @@ logger = logging.getLogger(__name__)
 
 #: The registered name of :func:`with_wrapped_modules`.
 WRAPPER_TYPE = "fairscale::with_wrapped_modules"
+
+_deferral = threading.local()
+#: Attribute of a model on which a deferred :func:`with_wrapped_modules` leaves its plan.
+_RECORDED_PLAN = "_tango_fairscale_wrap_plan"
+
+
+@contextmanager
+def deferred_wrapping() -> Iterator[None]:
+    """
+    Within this context (on this thread), :func:`with_wrapped_modules` selects its units but
+    wraps nothing: it leaves the :class:`WrapPlan` and its ``fsdp_config`` on the model for the
+    engine's backend to apply (:func:`recorded_plan`). The ``"torch"`` backend builds models so.
+    """
+    previous = getattr(_deferral, "active", False)
+    _deferral.active = True
+    try:
+        yield
+    finally:
+        _deferral.active = previous
+
+
+def recorded_plan(model: nn.Module) -> "Tuple[Optional[WrapPlan], Optional[FSDPConfig]]":
+    """The plan and unit ``fsdp_config`` a deferred :func:`with_wrapped_modules` left on ``model``."""
+    return getattr(model, _RECORDED_PLAN, (None, None))
 
 
 def silence_false_gradients_warning() -> None:
@@ -328,6 +354,12 @@ def with_wrapped_modules(
         activation_checkpointing=activation_checkpointing,
         fsdp=fsdp_config is not None,
     )
+    if getattr(_deferral, "active", False):
+        if plan.checkpointed:
+            _disable_hf_kv_cache(model)
+        # Not a submodule or parameter: plain attribute, invisible to state dicts.
+        object.__setattr__(model, _RECORDED_PLAN, (plan, fsdp_config))
+        return model
     # The model Tango builds in the main process for the final weights has no process group:
     # it gets checkpointing only, and keeps the plain model's parameter names.
     use_fsdp = plan.fsdp and dist.is_available() and dist.is_initialized()
