@@ -6,7 +6,7 @@ first checks the version of the library it patches and that every attribute it r
 there, and refuses with an error naming both otherwise:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
-  needs: the step patch (T1) and the checkpoint autocast fix (F5).
+  needs: the step patches (T1, T2), the checkpoint autocast fix (F5) and one warning filter.
 - :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -45,7 +45,32 @@ T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for eve
     are spawned; (c) for distributed steps (any engine), serve the workers' rendezvous store from
     the main process (:func:`tango_fairscale.launch.rendezvous_store`): Tango's default
     ``distributed_port`` is replaced by a free one when taken (two runs on one machine), and a
-    port the config set that is taken is refused, naming ``distributed_port``.
+    port the config set that is taken is refused, naming ``distributed_port``; (d) under a
+    launcher of one ``tango`` per host (torchrun, srun; :func:`tango_fairscale.launch.detect_launch`),
+    meet the other hosts first (:func:`tango_fairscale.launch.host_rendezvous`) and spawn this
+    host's workers into the global world, with ``GLOO_SOCKET_IFNAME`` set to the interface that
+    reaches the master unless the user set it: Tango's ``_train`` only knows a world of one host.
+    A lost host, or one that failed first, ends the step with an error naming it. (e) While the
+    workers run, SIGINT and SIGTERM to the main process stop them
+    (:func:`tango_fairscale.launch.stop_workers_on_signals`): Tango left them training, orphaned
+    (SIGTERM) or waited for by a main process that had printed ``Aborted!`` (SIGINT).
+T2. ``tango.integrations.torch.train._train``, the worker function Tango's ``_train`` passes to
+    ``mp.spawn``, is replaced by :func:`_train_worker`, which calls it: a distributed worker is
+    killed when its main process dies (``PR_SET_PDEATHSIG``; torch's spawn asks for SIGINT, which
+    a worker blocked in a collective does not see), and in a launch across hosts (T1 (d)) the
+    worker's spawn index becomes its global rank and its ``TrainConfig`` the global one (world
+    size, store address, devices indexed per host, each host's first worker its
+    ``is_local_main_process``). A module-level function, so that ``mp.spawn`` pickles it by name.
+T3. ``tango.common.registrable.import_module_and_submodules``, as Tango's registry search for an
+    unregistered type name calls it: an integration failing on an absent third-party package
+    (``datasets`` for the ``transformers`` integration) counts as a missing integration, as
+    Tango intends, so a typo gets Tango's "not a registered name" error instead of
+    ``No module named 'datasets'``.
+T4. ``torch.multiprocessing.spawn.ProcessContext.join`` gets a grace period of
+    :data:`SPAWN_GRACE_SECONDS` when called without one (as Tango's step does): after a worker
+    fails, a worker that ignores SIGTERM (stopped, or hung in C++) is killed 10 s later, not 30.
+W1. A warnings filter (no rebinding): torch's ``TypedStorage`` deprecation warning, when
+    FairScale's code triggers it.
 P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registration` is active
     in any thread: parameters registered by a thread inside
     :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
@@ -59,7 +84,7 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,18 +192,58 @@ def _install_checkpoint_autocast() -> None:
     checkpoint_activations.autocast = _restore_autocast  # type: ignore[assignment]
 
 
-# --- T1: Tango's torch::train step ----------------------------------------------------------------
+# --- T1, T2: Tango's torch::train step and its workers ----------------------------------------------
 
 PACKAGE = "tango_fairscale"
 #: ``torch::train``'s default ``distributed_port``.
 TANGO_DEFAULT_PORT = 54761
 
 
+def _train_across_hosts(
+    step: Any, launch: Any, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """T1 (d): run the step as this host's part of a launch across hosts (see :mod:`.launch`)."""
+    from . import launch as launching
+
+    devices = kwargs["devices"]
+    timeout = launching.seconds_from_environment(
+        os.environ, launching.RENDEZVOUS_TIMEOUT_VARIABLE, launching.DEFAULT_RENDEZVOUS_TIMEOUT
+    )
+    with launching.host_rendezvous(
+        launch, step_id=step.unique_id, work_dir=step.work_dir, device_count=len(devices), timeout=timeout
+    ) as session:
+        world = session.world
+        interface = launching.socket_interface_environment(
+            os.environ, world.hosts[world.node_rank].address, launching.interface_addresses()
+        )
+        if not interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            logger.warning(
+                "No network interface here has address %s (the one that reaches MASTER_ADDR %s): gloo "
+                "picks one from the host name. Set GLOO_SOCKET_IFNAME if the hosts cannot connect.",
+                world.hosts[world.node_rank].address,
+                launch.master_addr,
+            )
+        updates = {
+            launching.WORLD_VARIABLE: world.to_json(),
+            launching.AGENT_STORE_VARIABLE: str(True),
+            **interface,
+        }
+        with launching.environment(updates), launching.stop_workers_on_signals():
+            try:
+                return original(step, *args, **kwargs)
+            except Exception as error:
+                # The error of the host where it started (lost, or failed first), if not this one.
+                origin = session.failure(error)
+                if origin is not None:
+                    raise origin from error
+                raise
+
+
 def _wrap_train_step() -> None:
     from tango.common import util as tango_util
     from tango.integrations.torch import train as tango_train
 
-    _require_attributes(tango_train, ("TorchTrainStep",), "T1")
+    _require_attributes(tango_train, ("TorchTrainStep", "_train"), "T1/T2")
     _require_attributes(tango_train.TorchTrainStep, ("_train",), "T1")
     _require_attributes(tango_util, ("get_extra_imported_modules",), "T1")
     step_class = tango_train.TorchTrainStep
@@ -190,34 +255,90 @@ def _wrap_train_step() -> None:
     def _train(
         self: Any, model: Any, training_engine: Any, dataset_dict: Any, train_dataloader: Any, **kwargs: Any
     ) -> Any:
-        from .launch import rendezvous_store
+        from tango.common.exceptions import ConfigurationError
+
+        from .launch import detect_launch, rendezvous_store, stop_workers_on_signals
         from .preflight import preflight, uses_fairscale_engine
 
         # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
         tango_util.get_extra_imported_modules().add(PACKAGE)
-        if uses_fairscale_engine(training_engine):
+        on_fairscale = uses_fairscale_engine(training_engine)
+        if on_fairscale:
+            kwargs["callbacks"] = _with_engine_callbacks(kwargs.get("callbacks"))
+        args = (model, training_engine, dataset_dict, train_dataloader)
+        devices = kwargs.get("devices")
+        distributed = bool(devices and len(devices) > 1)
+        launch = detect_launch(os.environ) if distributed else None
+        if launch is not None and not on_fairscale:
+            raise ConfigurationError(
+                f"tango runs under {launch.launcher} as host {launch.node_rank} of {launch.num_nodes}, "
+                f'but step {self.name!r} does not use the "fairscale" training engine: training across '
+                "hosts is what that engine adds. Use it, or run without the launcher (or with "
+                "TANGO_FAIRSCALE_MULTIHOST=0, to train on each host separately)."
+            )
+        if on_fairscale:
+            # (b) Across hosts, the world the data is split over is every host's workers.
+            world = {"devices": list(devices) * launch.num_nodes} if launch is not None and devices else {}
             preflight(
                 model=model,
                 training_engine=training_engine,
                 dataset_dict=dataset_dict,
                 train_dataloader=train_dataloader,
                 work_dir=self.work_dir,
-                **kwargs,
+                **{**kwargs, **world},
             )
-        devices = kwargs.get("devices")
-        if not (devices and len(devices) > 1):
-            return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
-        # (b) Served from this process for the life of the step (see tango_fairscale.launch).
+        if not distributed:
+            return original(self, *args, **kwargs)
+        if launch is not None:
+            return _train_across_hosts(self, launch, original, args, kwargs)
+        # (c) Served from this process for the life of the step (see tango_fairscale.launch).
         configured = getattr(self, "_config", None) or {}
-        with rendezvous_store(
-            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-            set_in_config="distributed_port" in configured,
-        ) as port:
+        with (
+            rendezvous_store(
+                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+                set_in_config="distributed_port" in configured,
+            ) as port,
+            stop_workers_on_signals(),
+        ):
             kwargs["distributed_port"] = port
-            return original(self, model, training_engine, dataset_dict, train_dataloader, **kwargs)
+            return original(self, *args, **kwargs)
 
     _train._tango_fairscale = True  # type: ignore[attr-defined]
     step_class._train = _train  # type: ignore[method-assign]
+    # T2: a module-level function (not functools.wraps'd), so that mp.spawn pickles it by its own
+    # name: the spawned worker imports tango_fairscale to find it, which installs the patches there.
+    global _original_train_worker
+    if tango_train._train is not _train_worker:
+        _original_train_worker = tango_train._train
+        tango_train._train = _train_worker  # type: ignore[assignment]
+
+
+#: Tango's worker function, as it was before T2 rebound it.
+_original_train_worker: Optional[Callable[..., Any]] = None
+
+
+def _train_worker(process_index: int, workspace: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+    """
+    T2: Tango's worker function (``tango.integrations.torch.train._train``), which ``mp.spawn``
+    runs with the index of the process on this host. Distributed workers die with the process that
+    spawned them. In a launch across hosts the index becomes the global rank, and the worker's
+    ``TrainConfig`` the global one (:func:`tango_fairscale.launch.worker_train_config`).
+    """
+    from . import launch as launching
+
+    original = _original_train_worker
+    if original is None:  # T2 not installed in this process: Tango's own function is still there
+        from tango.integrations.torch import train as tango_train
+
+        original = tango_train._train
+    world = launching.HostWorld.from_environment(os.environ)
+    if getattr(config, "is_distributed", False):
+        launching.die_with_parent()
+    if world is None or not getattr(config, "is_distributed", False):
+        return original(process_index, workspace, config, *args, **kwargs)
+    os.environ.update(launching.worker_environment(world, process_index))
+    host_config = launching.worker_train_config(config, world)
+    return original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
 
 
 _install_lock = threading.Lock()
@@ -225,7 +346,7 @@ _installed = False
 
 
 def install() -> None:
-    """Install the patches every process needs (T1, F5), once. Called by ``import tango_fairscale``."""
+    """Install the patches every process needs (T1, T2, F5), once. Called by ``import tango_fairscale``."""
     global _installed
     with _install_lock:
         if _installed:
@@ -234,6 +355,9 @@ def install() -> None:
             check_version(distribution)
         _install_checkpoint_autocast()
         _wrap_train_step()
+        _quiet_integration_search()
+        _bound_spawn_grace()
+        _silence_internal_warnings()
         _installed = True
 
 
@@ -357,3 +481,113 @@ def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], N
             _meta_users -= 1
             if _meta_users == 0:
                 nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]
+
+
+def _with_engine_callbacks(callbacks: Any) -> List[Any]:
+    """
+    T1 (e): the callbacks every step on the engine gets, after the config's own (Tango pairs saved
+    callback states with callbacks by position): the per-step metrics log, unless the config has
+    one, and the restoring of the random generators on resume.
+    """
+    from tango.common import Lazy
+
+    from .callbacks import RestoreRandomState
+    from .metrics import MetricsLog
+
+    callbacks = list(callbacks or [])
+    has_metrics = any(
+        isinstance(callback, Lazy)
+        and (
+            getattr(callback, "_constructor", None) is MetricsLog
+            or getattr(callback, "_params", {}).get("type") == "fairscale::metrics"  # type: ignore[union-attr]
+        )
+        for callback in callbacks
+    )
+    if not has_metrics:
+        callbacks.append(Lazy(MetricsLog))
+    callbacks.append(Lazy(RestoreRandomState))
+    return callbacks
+
+
+# --- T3: Tango's search for a registered name ---------------------------------------------------------
+
+
+def _quiet_integration_search() -> None:
+    """
+    When a config names an unregistered type, Tango imports each of its bundled integrations to
+    look for it, skipping those whose dependencies are missing, but only when the integration
+    itself says so: its ``transformers`` integration fails with ``No module named 'datasets'``
+    whenever ``transformers`` is installed without ``datasets`` (our examples' environment), and
+    that error replaced Tango's "not a registered name" answer to a typo. While Tango imports an
+    integration in that search, an import error for another, absent top-level package becomes the
+    ``IntegrationMissingError`` Tango already skips.
+    """
+    from tango.common import registrable
+    from tango.common.exceptions import IntegrationMissingError
+
+    _require_attributes(registrable, ("import_module_and_submodules",), "T3")
+    original = registrable.import_module_and_submodules
+    if getattr(original, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(original)
+    def import_module_and_submodules(package_name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(package_name, *args, **kwargs)
+        except ImportError as error:
+            missing = (error.name or "").split(".")[0]
+            if not package_name.startswith("tango.integrations.") or not missing or missing == "tango":
+                raise
+            raise IntegrationMissingError(package_name.rsplit(".", 1)[-1], {missing}) from error
+
+    import_module_and_submodules._tango_fairscale = True  # type: ignore[attr-defined]
+    registrable.import_module_and_submodules = import_module_and_submodules
+
+
+# --- W1: a warning about FairScale's internals ---------------------------------------------------------
+
+
+def _silence_internal_warnings() -> None:
+    """
+    FairScale calls ``Tensor.storage()``, and torch warns once per process that ``TypedStorage``
+    is deprecated: one line per worker, every run, about FairScale's internals, nothing a user
+    can act on. Only that warning, only when FairScale's code triggers it, is silenced.
+    """
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message="TypedStorage is deprecated", category=UserWarning, module=r"fairscale\."
+    )
+
+
+# --- T4: how long Tango's step waits for workers after one failed ---------------------------------------
+
+#: Seconds ``mp.spawn`` gives the other workers after one failed: to exit by themselves, then
+#: again after SIGTERM, before SIGKILL.
+SPAWN_GRACE_SECONDS = 5.0
+
+
+def _bound_spawn_grace() -> None:
+    """
+    When one of Tango's workers fails, ``torch.multiprocessing``'s spawn context sends the others
+    SIGTERM and waits 30 s before SIGKILL. A worker that hangs (stopped, or stuck in C++ code that
+    never returns to Python's signal handling) ignores SIGTERM, so every such failure cost 30 s
+    more than the ``collective_timeout`` that detected it. Tango calls ``join()`` without a grace
+    period; this supplies one.
+    """
+    import importlib
+
+    # The module: ``torch.multiprocessing.spawn`` as an attribute is the function of that name.
+    spawn = importlib.import_module("torch.multiprocessing.spawn")
+    _require_attributes(spawn, ("ProcessContext",), "T4")
+    _require_attributes(spawn.ProcessContext, ("join",), "T4")
+    original = spawn.ProcessContext.join
+    if getattr(original, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(original)
+    def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
+        return original(self, timeout, SPAWN_GRACE_SECONDS if grace_period is None else grace_period)
+
+    join._tango_fairscale = True  # type: ignore[attr-defined]
+    spawn.ProcessContext.join = join  # type: ignore[method-assign]

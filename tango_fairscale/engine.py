@@ -4,8 +4,11 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 """
 
 import logging
+import os
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -21,15 +24,20 @@ from tango.integrations.torch import (
     TrainConfig,
 )
 
-from . import checkpointing
+from . import checkpointing, multihost
+from .checkpointing import random_state
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
+from .launch import HostWorld
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
 from .options import amp_dtype, check_engine_options
 from .registry import register_training_engine
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a collective (or the process group's rendezvous) may wait for the other workers.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 
 
 @register_training_engine("fairscale")
@@ -79,6 +87,17 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         initialised by each module's ``reset_parameters()`` and, for Hugging Face models, the
         model's ``_init_weights``: the same on every worker, but not the same random draws as an
         eager build. A parameter that neither initialiser covers is an error naming it.
+    :param collective_timeout:
+        Seconds that any collective (and the start of the process group) may wait for the other
+        workers before the run fails with an error, instead of Tango's 30 minutes. A worker that
+        dies closes its connections and fails the others' collectives at once; this bounds the
+        wait for one that hangs, or a host that disappears without closing them. Raise it when
+        one worker legitimately does something much longer than the others between two
+        collectives (e.g. writing a very large checkpoint to a slow disk).
+    :param verify_checkpoints:
+        Check the SHA-256 of every checkpoint file against the marker before resuming from it
+        (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
+        it). ``false`` checks sizes, headers and shapes only, for checkpoints too large to re-read.
     """
 
     def __init__(
@@ -94,6 +113,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         fsdp_config: Optional[FSDPConfig] = None,
         resume_from_checkpoint: Optional[str] = None,
         init_on_meta: bool = False,
+        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        verify_checkpoints: bool = True,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.fsdp_config = fsdp_config or FSDPConfig()
@@ -109,33 +130,121 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             warn=train_config.worker_id == 0,
         )
         self.init_on_meta = init_on_meta
+        if not isinstance(verify_checkpoints, bool):
+            raise ConfigurationError(
+                f"verify_checkpoints: expected true or false, got {verify_checkpoints!r}."
+            )
+        self.verify_checkpoints = verify_checkpoints
+        #: Generator states of the checkpoint resumed from, for RestoreRandomState.
+        self.loaded_random_state: Optional[Dict[str, Any]] = None
+        #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
+        self.hosts = HostWorld.from_environment(os.environ) if train_config.is_distributed else None
         if on_cpu:
             limit_cpu_heap_growth()
+        if train_config.is_distributed:
+            _start_process_group(train_config, on_cpu, collective_timeout)
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
         # and wrong for sharded gradients): construct it without AMP, then set AMP up here.
-        super().__init__(
-            train_config,
-            model,
-            optimizer,
-            lr_scheduler=lr_scheduler,
-            amp=False,
-            max_grad_norm=max_grad_norm,
-            amp_use_bfloat16=amp_use_bfloat16,
-        )
+        with _process_group_already_started(train_config):
+            super().__init__(
+                train_config,
+                model,
+                optimizer,
+                lr_scheduler=lr_scheduler,
+                amp=False,
+                max_grad_norm=max_grad_norm,
+                amp_use_bfloat16=amp_use_bfloat16,
+            )
         self.amp = amp
         self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
         self.grad_scaler = ShardedGradScaler() if amp and self.amp_dtype == torch.float16 else None
+        has_own_checkpoint = (
+            self._agree_on_own_checkpoint() if self.hosts is not None else self._find_own_checkpoint()
+        )
         if resume_from_checkpoint is not None:
-            self._link_resume_checkpoint(Path(resume_from_checkpoint))
+            self._link_resume_checkpoint(Path(resume_from_checkpoint), has_own_checkpoint)
 
-    def _link_resume_checkpoint(self, source: Path) -> None:
+    def _find_own_checkpoint(self) -> bool:
+        """
+        On one host, before Tango looks for ``checkpoint_state_latest``: when the link is missing
+        or dangling (Tango removes and re-creates it after each save, so a kill in between leaves
+        none), point it at the newest complete checkpoint in the work directory, rather than let
+        the run start over. Returns whether there is a checkpoint to resume from.
+        """
+        config = self.train_config
+        if config.state_path.exists():
+            return True
+        newest = checkpointing.newest_complete_checkpoint(config.work_dir)
+        # Every worker looks before worker 0 changes the link, so that all take the same branch.
+        dist.barrier()
+        if newest is not None and config.is_local_main_process:
+            logger.warning(
+                "%s is missing or dangling: resuming from %s, the newest complete checkpoint.",
+                config.state_path,
+                newest.name,
+            )
+            if config.state_path.is_symlink():
+                config.state_path.unlink()
+            config.state_path.symlink_to(newest.name, target_is_directory=True)
+        dist.barrier()
+        return newest is not None
+
+    def _agree_on_own_checkpoint(self) -> bool:
+        """
+        Across hosts, before Tango looks for ``checkpoint_state_latest``: point it, on every host,
+        at the newest checkpoint that every worker of every host can resume from (see
+        :mod:`tango_fairscale.multihost`), or remove it when there is none. Returns whether there is.
+        """
+        assert self.hosts is not None
+        config = self.train_config
+        mine = multihost.resumable_steps(config.work_dir, config.world_size, config.worker_id)
+        everyone: List[Dict[int, str]] = [{} for _ in range(config.world_size)]
+        dist.all_gather_object(everyone, mine)
+        step = multihost.agree(everyone)
+        if config.is_local_main_process:
+            self._point_latest_at(step)
+            if step is None and mine:
+                logger.warning(
+                    "Host %d has checkpoints of steps %s, but none is complete on every host: training "
+                    "starts from the beginning.",
+                    self.hosts.node_rank,
+                    sorted(mine),
+                )
+            elif step is not None and max(mine) > step:
+                logger.warning(
+                    "Host %d resumes from step %d, the newest checkpoint complete on every host "
+                    "(it has step %d, which another host did not finish).",
+                    self.hosts.node_rank,
+                    step,
+                    max(mine),
+                )
+        dist.barrier()
+        return step is not None
+
+    def _point_latest_at(self, step: Optional[int]) -> None:
+        """Point this host's ``checkpoint_state_latest`` (and a newer ``..._best``) at ``step``."""
+        config = self.train_config
+        links = [config.state_path]
+        best = config.best_state_path
+        if best.is_symlink():
+            best_step = multihost.step_of(Path(os.readlink(best)))
+            # A best checkpoint newer than the resume point belongs to steps about to be redone.
+            if step is None or (best_step is not None and best_step > step):
+                links.append(best)
+        for link in links:
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            if step is not None:
+                # Relative, as Tango makes it.
+                link.symlink_to(f"checkpoint_state_step{step}", target_is_directory=True)
+
+    def _link_resume_checkpoint(self, source: Path, has_own_checkpoint: bool) -> None:
         # Tango resumes from `checkpoint_state_latest` in the step's work directory when it
         # exists, right after constructing the engine: pointing that link at the requested
         # checkpoint makes Tango restore the step count and data position as for any resume.
         config = self.train_config
-        has_own_checkpoint = config.state_path.exists()
-        # Every worker looks before worker 0 creates the link, so that all take the same branch
+        # Every worker looks before the link is created, so that all take the same branch
         # (and meet at the same barriers).
         dist.barrier()
         if has_own_checkpoint:
@@ -145,7 +254,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             source = checkpointing.resolve_checkpoint(source)
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"resume_from_checkpoint: {error}") from None
-        if config.worker_id == 0:
+        # Each host's first worker: each host has its own work directory.
+        if config.is_local_main_process:
             config.work_dir.mkdir(parents=True, exist_ok=True)
             if config.state_path.is_symlink():  # dangling: its target was removed
                 config.state_path.unlink()
@@ -230,7 +340,10 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
         checkpoint_dir = Path(checkpoint_dir)
         worker = self.train_config.worker_id
-        if worker == 0:
+        # The worker that maintains this host's directory: worker 0 on one host, each host's
+        # first worker across hosts (whose directories are their own).
+        keeper = self.train_config.is_local_main_process
+        if keeper:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             # The directory may hold an older save of the same step (a run that was resumed
             # from before it): it stops counting before any file in it changes.
@@ -249,59 +362,125 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             states["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.grad_scaler is not None:
             states["grad_scaler"] = self.grad_scaler.state_dict()
+        # So that a resumed run draws the dropout masks an uninterrupted one would.
+        states["random_state"] = random_state.capture()
+        step = client_state.get("training_steps")
+        digests: Dict[str, Any] = {}
         for name, state in Tqdm.tqdm(
             states.items(),
             desc=f"Saving checkpoint {checkpoint_dir.name}",
             leave=False,
             disable=worker != 0,
         ):
-            self._write_state(name, state, checkpointing.worker_file(checkpoint_dir, worker, name))
-        # Only once every worker has its files on disk does the checkpoint count.
-        dist.barrier()
-        if worker == 0:
-            checkpointing.write_marker(
-                checkpoint_dir,
-                world_size=self.train_config.world_size,
-                extra={"training_steps": client_state.get("training_steps"), "files": sorted(states)},
-            )
+            path = checkpointing.worker_file(checkpoint_dir, worker, name)
+            digests[path.name] = self._write_state(name, state, path, step)
+        # Every file's size and SHA-256 go into the marker; gathering them is also the barrier
+        # after which every worker (of every host) has its files on disk.
+        everyone: List[Dict[str, Any]] = [{} for _ in range(self.train_config.world_size)]
+        dist.all_gather_object(everyone, digests)
+        if keeper:
+            extra: Dict[str, Any] = {
+                "training_steps": step,
+                "files": sorted(states),
+                "digests": {name: digest for part in everyone for name, digest in part.items()},
+            }
+            if self.hosts is not None:
+                multihost.link_other_hosts_files(checkpoint_dir, self.hosts, sorted(states))
+                extra.update(multihost.part_description(self.hosts))
+            checkpointing.write_marker(checkpoint_dir, world_size=self.train_config.world_size, extra=extra)
+        # Every host's marker is written before any host goes on (and removes its older
+        # checkpoints): so the hosts always have a newest checkpoint in common.
         dist.barrier()
 
-    def _write_state(self, name: str, state: Any, path: Path) -> None:
-        """Write one of this worker's checkpoint files (``name`` is ``"model"``, ``"optimizer"``, ...)."""
-        checkpointing.atomic_save(state, path)
+    def _write_state(self, name: str, state: Any, path: Path, step: Optional[int]) -> Dict[str, Any]:
+        """
+        Write one of this worker's checkpoint files (``name`` is ``"model"``, ``"optimizer"``, ...),
+        with the header that ties it to this worker, world size and step; return its digest.
+        """
+        config = self.train_config
+        return checkpointing.atomic_save(
+            checkpointing.with_header(
+                state, kind=name, rank=config.worker_id, world_size=config.world_size, step=step
+            ),
+            path,
+        )
 
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
         checkpoint_dir = Path(checkpoint_dir).resolve()
-        marker = checkpointing.require_complete(checkpoint_dir)
+        marker = self._loadable_marker(checkpoint_dir)
         saved_world_size = marker["world_size"]
         worker = self.train_config.worker_id
         # Replicated state (scheduler, scaler, trainer) is the same in every worker's file;
         # a worker that did not exist in the saved run reads worker 0's.
         source_worker = worker if worker < saved_world_size else 0
+        world_size = self.train_config.world_size
+        saved_names = checkpointing.saved_file_names(marker)
 
-        def load(name: str, from_worker: int = source_worker, mmap: bool = False) -> Any:
-            path = checkpointing.worker_file(checkpoint_dir, from_worker, name)
-            return checkpointing.safe_load(path, mmap=mmap)
+        def load(name: str, from_worker: int = source_worker, mmap: bool = False, hashes: bool = True) -> Any:
+            # Checked against the marker's size and SHA-256 and the file's own header.
+            return checkpointing.read_worker_state(
+                checkpoint_dir,
+                marker,
+                from_worker,
+                name,
+                mmap=mmap,
+                hashes=hashes and self.verify_checkpoints,
+            )
 
         fsdp: FSDP = self.model  # type: ignore[assignment]
         local_weights = fsdp.local_state_dict()
-        own_model = load("model")
-        if saved_world_size == self.train_config.world_size and checkpointing.same_shapes(
-            own_model["weights"], local_weights
-        ):
+        # Everything is read and checked before anything is applied, and the workers agree on the
+        # outcome: a worker that finds a bad file must not leave the others waiting in a collective.
+        try:
+            own_model = load("model")
+            checkpointing.check_same_parameter_shapes(own_model["metadata"], fsdp.local_metadata_dict())
+            same_layout = saved_world_size == world_size and checkpointing.same_shapes(
+                own_model["weights"], local_weights
+            )
+            if same_layout:
+                model_shards, optimizer_shards = [own_model], [load("optimizer")]
+            else:
+                # Every worker needs a slice of every saved file: mapped, not read whole, so that a
+                # host running N workers does not hold N copies of the full model and optimizer.
+                # Each file's SHA-256 is checked by one worker, not all.
+                model_shards = [
+                    load("model", w, mmap=True, hashes=w % world_size == worker)
+                    for w in range(saved_world_size)
+                ]
+                optimizer_shards = [
+                    load("optimizer", w, mmap=True, hashes=w % world_size == worker)
+                    for w in range(saved_world_size)
+                ]
+            self._check_same_optimizer(optimizer_shards[0], checkpoint_dir)
+            components = {
+                name: load(name) if name in saved_names else None for name in ("lr_scheduler", "grad_scaler")
+            }
+            trainer_state = load("trainer")
+            saved_random_state = (
+                load("random_state")
+                if "random_state" in saved_names and saved_world_size == world_size
+                else None
+            )
+            problem = None
+        except checkpointing.CheckpointError as error:
+            problem = str(error)
+        problems: List[Optional[str]] = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        found = [(rank, text) for rank, text in enumerate(problems) if text is not None]
+        if found:
+            rank, text = found[0]
+            raise checkpointing.CheckpointError(
+                f"Cannot resume from {checkpoint_dir} (found by worker {rank}"
+                f"{f' and {len(found) - 1} other(s)' if len(found) > 1 else ''}): {text}"
+            )
+
+        if same_layout:
             self.load_model_state(own_model)
-            self.optimizer.load_state_dict(load("optimizer"))
+            self.optimizer.load_state_dict(optimizer_shards[0])
         else:
             logger.info(
-                "Resharding checkpoint %s from %d to %d workers",
-                checkpoint_dir,
-                saved_world_size,
-                self.train_config.world_size,
+                "Resharding checkpoint %s from %d to %d workers", checkpoint_dir, saved_world_size, world_size
             )
-            # Every worker needs a slice of every saved file: mapped, not read whole, so that a
-            # host running N workers does not hold N copies of the full model and optimizer.
-            model_shards = [load("model", w, mmap=True) for w in range(saved_world_size)]
-            optimizer_shards = [load("optimizer", w, mmap=True) for w in range(saved_world_size)]
             fsdp.load_local_state_dict(
                 checkpointing.reshard_model_weights(model_shards, local_weights, worker)
             )
@@ -316,16 +495,61 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         ):
             if component is None:
                 continue
-            if not checkpointing.worker_file(checkpoint_dir, source_worker, name).is_file():
+            saved_state = components[name]
+            if saved_state is None:
                 # A checkpoint of a run configured without it (resume_from_checkpoint); the
                 # marker guarantees that any file the saving run wrote is there.
                 logger.warning("Checkpoint %s has no %s state: %s.", checkpoint_dir, name, fresh)
                 continue
-            component.load_state_dict(load(name))
-        trainer_state = load("trainer")
+            component.load_state_dict(saved_state)
+        # Restored right before the training loop (RestoreRandomState): see there for why. On
+        # another number of workers the saved generators do not map onto the new workers, which
+        # keep the states seeded from the step's seed.
+        self.loaded_random_state = saved_random_state
+        if saved_random_state is None and saved_world_size != world_size:
+            logger.info("Resharded resume: random generators continue from the seed, not the saved states")
         if self.train_config.work_dir.resolve() not in checkpoint_dir.parents:
             trainer_state = self._trainer_state_from_another_run(trainer_state)
         return trainer_state
+
+    def _check_same_optimizer(self, saved: Dict[str, Any], checkpoint_dir: Path) -> None:
+        """A checkpoint of another optimizer (type or options) would fail deep in PyTorch with a KeyError."""
+        saved_groups, groups = saved.get("param_groups", []), self.optimizer.param_groups
+        saved_options = sorted(set(saved_groups[0]) - {"params"}) if saved_groups else []
+        options = sorted(set(groups[0]) - {"params"}) if groups else []
+        if len(saved_groups) != len(groups) or saved_options != options:
+            raise checkpointing.CheckpointError(
+                f"{checkpoint_dir} holds the state of another optimizer: {len(saved_groups)} parameter "
+                f"group(s) with options {saved_options}, where this run's {type(self.optimizer).__name__} "
+                f"has {len(groups)} with {options}. Resume with the optimizer it was saved with."
+            )
+
+    def _loadable_marker(self, checkpoint_dir: Path) -> Dict[str, Any]:
+        """
+        The marker of a checkpoint this worker can load: a complete one, or (across hosts) this
+        host's part of one of the same world size that holds this worker's files, which is all
+        a worker reads when nothing is resharded.
+        """
+        marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
+        across_hosts = self.hosts is not None
+        if across_hosts and marker is not None and marker["world_size"] == self.train_config.world_size:
+            names = checkpointing.saved_file_names(marker)
+            if all(
+                checkpointing.worker_file(checkpoint_dir, self.train_config.worker_id, n).is_file()
+                for n in names
+            ):
+                return marker
+        try:
+            return checkpointing.require_complete(checkpoint_dir)
+        except checkpointing.CheckpointError as error:
+            part = multihost.describe_part(marker) if marker is not None else None
+            if part is None:
+                raise
+            raise checkpointing.CheckpointError(
+                f"{error} It is {part}: resume it with the same hosts and device_count, or copy every "
+                "host's worker*.pt files of it into one directory to resume it elsewhere (on a shared "
+                "filesystem each host's checkpoints are complete already)."
+            ) from None
 
     def _trainer_state_from_another_run(self, state: Dict[str, Any]) -> Dict[str, Any]:
         # A checkpoint of another run (resume_from_checkpoint) brings its step count, but its
@@ -340,7 +564,51 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
-        shards = checkpointing.load_model_shards(Path(checkpoint_dir).resolve())
+        checkpoint_dir = Path(checkpoint_dir).resolve()
+        if self.hosts is not None:
+            # Tango calls this on each host's first worker only (is_local_main_process): they
+            # exchange what they lack, so every host's weights.pt is the whole model.
+            shards = multihost.gather_model_shards(checkpoint_dir, self.hosts)
+        else:
+            shards = checkpointing.load_model_shards(checkpoint_dir)
         full_state = checkpointing.consolidate_model_state(shards)
         del shards
         checkpointing.atomic_save(full_state, Path(weights_path))
+
+
+@contextmanager
+def _process_group_already_started(config: TrainConfig) -> Iterator[None]:
+    """
+    While Tango's engine constructor runs. It starts the process group itself when the config is
+    distributed (with no timeout); the engine has started it already, with one, and a second start
+    is an error. So the constructor sees the config as not distributed: nothing else in it reads
+    the flag.
+    """
+    distributed = config.is_distributed
+    config.is_distributed = False
+    try:
+        yield
+    finally:
+        config.is_distributed = distributed
+
+
+def _start_process_group(config: TrainConfig, on_cpu: bool, collective_timeout: float) -> None:
+    """
+    What Tango's engine does, with a timeout: Tango starts the process group with none, so a
+    collective waits 30 minutes for a worker that hangs or a host that vanished.
+    """
+    if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)):
+        raise ConfigurationError(
+            f"collective_timeout: must be a number of seconds, got {collective_timeout!r}."
+        )
+    if not collective_timeout > 0:
+        raise ConfigurationError(f"collective_timeout: must be positive, got {collective_timeout!r}.")
+    if not on_cpu:
+        torch.cuda.set_device(config.worker_local_default_device)
+    dist.init_process_group(
+        backend="gloo" if on_cpu else "nccl",
+        init_method=f"tcp://{config.distributed_address}:{config.distributed_port}",
+        world_size=config.world_size,
+        rank=config.worker_id,
+        timeout=timedelta(seconds=collective_timeout),
+    )

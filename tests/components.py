@@ -98,8 +98,8 @@ class CrashInSave(FairScaleTrainingEngine):
         super().__init__(*args, **kwargs)
         self.crash_at_checkpoint = crash_at_checkpoint
 
-    def _write_state(self, name: str, state: Any, path: Path) -> None:
-        super()._write_state(name, state, path)
+    def _write_state(self, name: str, state: Any, path: Path, step: Any) -> Dict[str, Any]:
+        digest = super()._write_state(name, state, path, step)
         crashed = self.train_config.work_dir / "crashed_once"
         if (
             name == "model"
@@ -109,6 +109,7 @@ class CrashInSave(FairScaleTrainingEngine):
         ):
             crashed.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        return digest
 
 
 @Model.register("test::no_parameters")
@@ -316,3 +317,37 @@ class FailOnce(TrainCallback):
             if self.train_config.is_distributed:
                 torch.distributed.barrier()
             raise RuntimeError(f"deliberate failure before step {step}")
+
+
+@Model.register("test::dropout_regressor")
+class DropoutRegressor(Model):
+    """The toy regressor with dropout between blocks: its training draws from torch's generator."""
+
+    def __init__(self, in_features: int = 8, width: int = 32, num_blocks: int = 3, p: float = 0.2) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.blocks = torch.nn.Sequential(
+            *[
+                torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Dropout(p))
+                for _ in range(num_blocks)
+            ]
+        )
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        prediction = self.head(self.blocks(torch.relu(self.input(x)))).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(prediction, y)}
+
+
+@TrainCallback.register("test::freeze_worker")
+class FreezeWorker(TrainCallback):
+    """Stops one worker's process (SIGSTOP) after a step: a worker that hangs without dying."""
+
+    def __init__(self, *args: Any, worker: int = 1, step: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker, self.step = worker, step
+
+    def post_batch(self, step: int, epoch: int, batch_loss: float, batch_outputs: Any) -> None:
+        if self.train_config.worker_id == self.worker and step == self.step:
+            (self.train_config.work_dir / f"frozen_pid_{os.getpid()}").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)

@@ -222,6 +222,18 @@ def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: P
     shutil.copytree(two_worker_run / "checkpoint_state_step4", tampered)
     evidence = tmp_path / "pwned"
     torch.save({"state": CreatesFile(evidence), "param_groups": []}, tampered / "worker1_optimizer.pt")
+    # The marker's digests already refuse the replaced file, before anything reads it ...
+    with pytest.raises(
+        CheckpointError, match="worker1_optimizer.pt has .* bytes where COMPLETE.json recorded"
+    ):
+        checkpointing.load_optimizer_shards(tampered)
+    # ... so forge them too, as an attacker writing the whole directory would: what stops the
+    # payload then is loading with weights_only.
+    marker = checkpointing.read_marker(tampered)
+    assert marker is not None
+    marker["digests"]["worker1_optimizer.pt"] = checkpointing.file_digest(tampered / "worker1_optimizer.pt")
+    checkpointing.write_marker(tampered, marker.pop("world_size"), extra=marker)
+    assert not evidence.exists()
 
     with pytest.raises(CheckpointError, match="Refusing to load .*worker1_optimizer.pt"):
         checkpointing.safe_load(tampered / "worker1_optimizer.pt")

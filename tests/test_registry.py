@@ -55,3 +55,24 @@ except RegistryKeyError as error:
     )
     assert result.returncode == 0, result.stderr
     assert "REGISTRY: 'torch::Adamm' is not a registered name for 'Optimizer'" in result.stdout
+
+
+def test_misspelt_type_with_transformers_but_no_datasets() -> None:
+    # The environment `make` builds has transformers (examples extra) and no `datasets`, which
+    # Tango's transformers integration needs: the typo must still get Tango's own answer.
+    script = """
+import importlib.util
+assert importlib.util.find_spec("transformers") is not None
+import tango_fairscale
+from tango.common.exceptions import RegistryKeyError
+from tango.integrations.torch import Optimizer
+try:
+    Optimizer.resolve_class_name("torch::Adamm")
+except RegistryKeyError as error:
+    print("REGISTRY:", error)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "REGISTRY: 'torch::Adamm' is not a registered name for 'Optimizer'" in result.stdout

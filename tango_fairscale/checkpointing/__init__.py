@@ -46,6 +46,7 @@ from .files import (
     write_marker,
 )
 from .resharding import (
+    check_same_parameter_shapes,
     clean_parameter_name,
     consolidate_model_state,
     consolidate_optimizer_state,
@@ -62,6 +63,7 @@ __all__ = [
     "STATE_NAMES",
     "CheckpointError",
     "atomic_save",
+    "check_same_parameter_shapes",
     "file_digest",
     "clean_parameter_name",
     "consolidate_model_state",

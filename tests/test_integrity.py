@@ -1,0 +1,197 @@
+"""
+Checkpoint integrity and failures that must end a run, through the real CLI on 2 CPU workers:
+random state restored on resume (dropout), a missing ``latest`` link, a checkpoint of another
+model size, files of another step, a changed byte, and a frozen worker.
+"""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from tango_fairscale import checkpointing
+from tests.helpers import (
+    load_weights,
+    max_abs_difference,
+    run_tango,
+    tango_command,
+    tango_env,
+    toy_model,
+    train_config,
+    train_work_dir,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def dropout_config() -> Dict[str, Any]:
+    config = train_config(
+        engine="fairscale",
+        wrap="root",
+        train_steps=12,
+        checkpoint_every=3,
+        model={"type": "test::dropout_regressor", "in_features": 8, "width": 32},
+        callbacks=[{"type": "test::slow_down", "seconds": 0.15}],
+    )
+    return config
+
+
+def test_dropout_resume_after_kill_without_latest_link_matches(tmp_path: Path) -> None:
+    run_tango(dropout_config(), tmp_path / "plain" / "ws", cwd=tmp_path / "plain" / "cwd")
+    uninterrupted = load_weights(tmp_path / "plain" / "ws")
+
+    cwd, workspace = tmp_path / "killed" / "cwd", tmp_path / "killed" / "ws"
+    process = subprocess.Popen(
+        tango_command(dropout_config(), workspace, cwd),
+        cwd=cwd,
+        env=tango_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            links = list(workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"))
+            try:
+                if links and os.path.basename(os.readlink(links[0])) == "checkpoint_state_step6":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        else:
+            raise AssertionError("no step-6 checkpoint within 240 s")
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    work_dir = train_work_dir(workspace)
+    assert not (work_dir / "weights.pt").exists(), "the run finished before it was killed"
+    # What a kill between Tango's unlink and symlink leaves: no latest link at all.
+    (work_dir / "checkpoint_state_latest").unlink()
+
+    result = run_tango(dropout_config(), workspace, cwd=cwd)
+    output = result.stdout + result.stderr
+    assert "is missing or dangling: resuming from checkpoint_state_step" in output, output[-3000:]
+    difference = max_abs_difference(load_weights(workspace), uninterrupted)
+    print(f"dropout model, max |killed, link removed, resumed - uninterrupted| = {difference:.3e}")
+    assert difference <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-worker run of the toy model (width 32) keeping its step-4 and step-8 checkpoints."""
+    root = tmp_path_factory.mktemp("saved")
+    config = train_config(engine="fairscale", wrap="nested", train_steps=8, checkpoint_every=4, callbacks=[])
+    config["steps"]["train"]["remove_stale_checkpoints"] = False
+    run_tango(config, root / "ws", cwd=root / "cwd")
+    return train_work_dir(root / "ws")
+
+
+def resume_from(source: Path, tmp_path: Path, width: int = 32, **engine: Any) -> subprocess.CompletedProcess:
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=12,
+        checkpoint_every=12,
+        callbacks=[],
+        model=toy_model(width=width),
+        engine_extra={"resume_from_checkpoint": str(source), "collective_timeout": 60, **engine},
+    )
+    start = time.monotonic()
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=180)
+    result.elapsed = time.monotonic() - start  # type: ignore[attr-defined]
+    return result
+
+
+def test_checkpoint_of_another_model_size_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    result = resume_from(saved_run / "checkpoint_state_step8", tmp_path, width=16)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "holds parameters of other shapes than this model's" in output, output[-3000:]
+    assert "saved [32, 32], this model [16, 16]" in output, output[-3000:]
+
+
+def forge_digest(checkpoint_dir: Path, name: str) -> None:
+    """Rewrite the marker's digest of ``name`` to match the file, as a careless copy tool could not."""
+    marker = checkpointing.read_marker(checkpoint_dir)
+    assert marker is not None
+    marker["digests"][name] = checkpointing.file_digest(checkpoint_dir / name)
+    checkpointing.write_marker(checkpoint_dir, marker.pop("world_size"), extra=marker)
+
+
+def test_file_of_another_step_fails_fast_without_hanging(saved_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(saved_run / "checkpoint_state_step8", mixed)
+    shutil.copy(saved_run / "checkpoint_state_step4" / "worker1_trainer.pt", mixed / "worker1_trainer.pt")
+    forge_digest(mixed, "worker1_trainer.pt")
+    result = resume_from(mixed, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "worker1_trainer.pt does not belong in this checkpoint: its header has step 4 where 8" in output
+    # Both workers stop on it (they agree before loading), well before any timeout.
+    assert result.elapsed < 60, result.elapsed  # type: ignore[attr-defined]
+
+
+def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(saved_run / "checkpoint_state_step8", changed)
+    data = bytearray((changed / "worker0_optimizer.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (changed / "worker0_optimizer.pt").write_bytes(bytes(data))
+    result = resume_from(changed, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "worker0_optimizer.pt has SHA-256" in output and "contents changed" in output, output[-3000:]
+
+
+def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 15
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=50,
+        checkpoint_every=50,
+        callbacks=[{"type": "test::freeze_worker", "worker": 1, "step": 2}],
+        engine_extra={"collective_timeout": timeout},
+    )
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=240)
+    ended = time.time()
+    frozen = list(train_work_dir(tmp_path / "ws").glob("frozen_pid_*"))
+    assert frozen, "the worker never froze"
+    elapsed = ended - frozen[0].stat().st_mtime
+    print(f"the run ended {elapsed:.1f}s after a worker froze (collective_timeout {timeout}s)")
+    try:
+        assert result.returncode != 0
+        # The timeout, then the spawn grace (5 s to exit, 5 s after SIGTERM) and Tango's teardown.
+        assert elapsed < timeout + 20, elapsed
+    finally:
+        # The stopped worker must not outlive the run.
+        for marker in train_work_dir(tmp_path / "ws").glob("frozen_pid_*"):
+            pid = int(marker.name.rsplit("_", 1)[1])
+            alive = True
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive = False
+            if alive:
+                os.kill(pid, signal.SIGKILL)
+            assert not alive, f"the frozen worker {pid} outlived the run"
+
+
+def test_weights_are_unchanged_by_verification(saved_run: Path) -> None:
+    # The verified load path reads what was written: consolidating the final checkpoint gives weights.pt.
+    full = checkpointing.consolidate_model_state(
+        checkpointing.load_model_shards(saved_run / "checkpoint_state_step8")
+    )
+    assert max_abs_difference(full, torch.load(saved_run / "weights.pt", weights_only=True)) == 0.0

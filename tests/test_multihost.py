@@ -1,0 +1,510 @@
+"""
+Training across hosts: one ``tango run`` per host under torchrun or srun, 2 CPU workers each.
+
+The end-to-end tests run twice: over loopback (two node ranks on this machine, no privileges:
+what CI runs) and, where root may create them, as two real hosts: two network namespaces joined
+by a veth pair, each with its own address (marker ``netns``). Every host has its own workspace;
+``TANGO_FAIRSCALE_SHARED_CHECKPOINTS=0`` keeps each host to its own files, as on separate disks,
+except in the torchrun-restart test, which checks what a shared filesystem adds.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+import torch
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import TrainConfig
+
+from tango_fairscale import checkpointing, multihost
+from tango_fairscale.engine import _start_process_group
+from tests.helpers import (
+    load_weights,
+    max_abs_difference,
+    run_tango,
+    tango_command,
+    tango_env,
+    train_config,
+    train_work_dir,
+)
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+TOLERANCE = 1e-6
+#: A host without heartbeats for this long is lost (the default is 10 s).
+HOST_TIMEOUT = 3
+TRAIN_STEPS = 12
+CALLBACKS: List[Dict[str, Any]] = [
+    {"type": "test::record_losses"},
+    # So that a host can be killed between two checkpoints.
+    {"type": "test::slow_down", "seconds": 0.3},
+]
+
+
+def config(device_count: int = 2, **overrides: Any) -> Dict[str, Any]:
+    """The experiment every test trains: the same model, data, seed and per-worker batch."""
+    return train_config(
+        engine="fairscale",
+        wrap="root",
+        device_count=device_count,
+        train_steps=TRAIN_STEPS,
+        checkpoint_every=3,
+        callbacks=CALLBACKS,
+        **overrides,
+    )
+
+
+# --- Unit tests -----------------------------------------------------------------------------------
+
+
+def test_agree_takes_the_newest_step_every_worker_has_from_one_attempt() -> None:
+    assert multihost.agree([{3: "a", 6: "a"}, {3: "a", 6: "a", 9: "a"}]) == 6
+    # Step 6 was written by two attempts (host 1's by a run that died): not mixed.
+    assert multihost.agree([{3: "a", 6: "a"}, {3: "a", 6: "b"}]) == 3
+    assert multihost.agree([{3: "a"}, {6: "a"}]) is None
+    assert multihost.agree([{}, {3: "a"}]) is None
+
+
+def _fake_checkpoint(work_dir: Path, step: int, ranks: List[int], world_size: int, attempt: str) -> Path:
+    directory = work_dir / f"checkpoint_state_step{step}"
+    directory.mkdir(parents=True)
+    for rank in ranks:
+        for name in ("model", "trainer"):
+            checkpointing.worker_file(directory, rank, name).write_bytes(b"x")
+    part = {"host": {"node_rank": ranks[0] // 2, "num_nodes": 2, "workers": ranks, "attempt": attempt}}
+    checkpointing.write_marker(directory, world_size, {"files": ["model", "trainer"], **part})
+    return directory
+
+
+def test_resumable_steps_of_a_host(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, 3, [2, 3], 4, "a")
+    _fake_checkpoint(tmp_path, 6, [2, 3], 4, "a")
+    (tmp_path / "checkpoint_state_step9").mkdir()  # a save that never got its marker
+    checkpointing.worker_file(tmp_path / "checkpoint_state_step9", 2, "model").write_bytes(b"x")
+    # Worker 3's trainer file of step 6 is gone: worker 3 cannot resume from it.
+    checkpointing.worker_file(tmp_path / "checkpoint_state_step6", 3, "trainer").unlink()
+    assert multihost.resumable_steps(tmp_path, 4, 2) == {3: "a", 6: "a"}
+    assert multihost.resumable_steps(tmp_path, 4, 3) == {3: "a"}
+    # In a world of another size only complete checkpoints count (they are resharded).
+    assert multihost.resumable_steps(tmp_path, 6, 2) == {}
+    marker = checkpointing.read_marker(tmp_path / "checkpoint_state_step3")
+    assert marker is not None
+    assert (
+        multihost.describe_part(marker)
+        == "host 1's part of a checkpoint written by 2 hosts (workers 2-3 of 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    "timeout, message", [(0, "must be positive"), ("300", "must be a number of seconds")]
+)
+def test_collective_timeout_is_checked(timeout: Any, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=f"collective_timeout: {message}"):
+        _start_process_group(TrainConfig("s", tmp_path, world_size=2), True, timeout)
+
+
+# --- Two hosts on this machine --------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> List[int]:
+    """``pid`` and every process below it (from /proc)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def _kill(pids: List[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Network:
+    """Two hosts: their addresses, how to run a command on each, and how to kill one."""
+
+    name: str
+    addresses: List[str]
+    namespaces: Optional[List[str]] = None
+
+    def on(self, node: int, command: List[str]) -> List[str]:
+        return ["ip", "netns", "exec", self.namespaces[node], *command] if self.namespaces else command
+
+    def processes(self, node: int, launcher_pid: int) -> List[int]:
+        """Every process of host ``node``: all of its namespace's, or everything its launcher started."""
+        if self.namespaces:
+            listed = subprocess.run(
+                ["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True, check=True
+            ).stdout.split()
+            return [int(pid) for pid in listed]
+        return _descendants(launcher_pid)
+
+
+@pytest.fixture(scope="module")
+def loopback() -> Network:
+    return Network("loopback", ["127.0.0.1", "127.0.0.1"])
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[Network]:
+    """Two network namespaces joined by a veth pair: 10.213.0.1 and 10.213.0.2, deleted afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("two hosts as network namespaces need root and iproute2's `ip netns`")
+    tag = f"tfs{os.getpid() % 100000}"
+    names, veths = [f"{tag}h0", f"{tag}h1"], [f"{tag}a", f"{tag}b"]
+    created: List[str] = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            created.append(name)
+    except subprocess.CalledProcessError as error:
+        for name in created:
+            _ip("netns", "del", name)
+        pytest.skip(f"`ip netns add` is not allowed here: {error.stderr.strip()}")
+    try:
+        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        for node, (name, veth) in enumerate(zip(names, veths)):
+            _ip("link", "set", veth, "netns", name)
+            _ip("-n", name, "addr", "add", f"10.213.0.{node + 1}/24", "dev", veth)
+            _ip("-n", name, "link", "set", veth, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield Network("netns", ["10.213.0.1", "10.213.0.2"], names)
+    finally:
+        for name in names:
+            listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+            _kill([int(pid) for pid in listed.split()])
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # removes the veth pair too
+
+
+@pytest.fixture(scope="module", params=["loopback", pytest.param("namespaces", marks=pytest.mark.netns)])
+def network(request: pytest.FixtureRequest) -> Network:
+    return request.getfixturevalue(request.param)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    assert port != 54761  # torch::train's default, which these tests never use
+    return port
+
+
+@dataclass
+class Hosts:
+    """Two ``tango run`` commands, one per host, under a launcher; started again by :meth:`start`."""
+
+    network: Network
+    root: Path
+    launcher: str  # "static" or "c10d" (torchrun) or "slurm" (srun's environment)
+    experiment: Dict[str, Any]
+    max_restarts: int = 0
+    env: Dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=_free_port)
+    processes: List["subprocess.Popen[bytes]"] = field(default_factory=list)
+    runs: int = 0
+
+    def workspace(self, node: int) -> Path:
+        return self.root / f"ws{node}"
+
+    def log(self, node: int) -> Path:
+        return self.root / f"host{node}.run{self.runs}.log"
+
+    def command(self, node: int) -> List[str]:
+        tango = tango_command(self.experiment, self.workspace(node), self.root / f"cwd{node}")
+        master = self.network.addresses[0]
+        if self.launcher == "slurm":
+            return tango
+        if self.launcher == "static":
+            flags = [f"--node-rank={node}", f"--master-addr={master}", f"--master-port={self.port}"]
+        else:
+            flags = [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={master}:{self.port}",
+                "--rdzv-id=test-job",
+                # Both namespaces share this machine's host name, which resolves to neither address:
+                # tell torchrun each host's reachable address, and which host serves the endpoint.
+                f"--local-addr={self.network.addresses[node]}",
+                f"--rdzv-conf=is_host={int(node == 0)}",
+            ]
+        launch = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}", *flags]
+        return [*launch, "-m", "tango", *tango[1:]]
+
+    def environment(self, node: int) -> Dict[str, str]:
+        env = {
+            **tango_env(),
+            "OMP_NUM_THREADS": "1",
+            "TANGO_FAIRSCALE_HOST_TIMEOUT": str(HOST_TIMEOUT),
+            "TANGO_FAIRSCALE_SHARED_CHECKPOINTS": "0",
+            **self.env,
+        }
+        if self.launcher == "slurm":
+            env.update(
+                SLURM_JOB_ID="4242",
+                SLURM_STEP_ID="0",
+                SLURM_NNODES="2",
+                SLURM_STEP_NUM_NODES="2",
+                SLURM_STEP_NUM_TASKS="2",
+                SLURM_NODEID=str(node),
+                SLURM_PROCID=str(node),
+                SLURM_JOB_NODELIST="testnode[0-1]",
+                MASTER_ADDR=self.network.addresses[0],
+                MASTER_PORT=str(self.port),
+            )
+        return env
+
+    def start(self) -> None:
+        self.runs += 1
+        commands = [self.command(node) for node in range(2)]  # writes each host's config once
+        self.processes = [
+            subprocess.Popen(
+                self.network.on(node, commands[node]),
+                cwd=self.root / f"cwd{node}",
+                env=self.environment(node),
+                stdout=open(self.log(node), "wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            for node in range(2)
+        ]
+
+    def wait(self, timeout: float = 300) -> List[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            for process in self.processes:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"the hosts did not finish within {timeout} s\n{self.logs()}") from None
+        return [process.returncode for process in self.processes]
+
+    def kill_all(self) -> None:
+        for node, process in enumerate(self.processes):
+            _kill(self.network.processes(node, process.pid))
+            process.wait(timeout=30)
+
+    def output(self, node: int) -> str:
+        return self.log(node).read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- host {node} ---\n{self.output(node)[-5000:]}" for node in range(2))
+
+    def run(self, timeout: float = 300) -> None:
+        self.start()
+        codes = self.wait(timeout)
+        assert codes == [0, 0], f"exit codes {codes}\n{self.logs()}"
+
+    def latest(self, node: int) -> Optional[int]:
+        """The step of host ``node``'s ``checkpoint_state_latest``, or ``None``."""
+        for link in self.workspace(node).glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"):
+            try:
+                return int(os.readlink(link).rsplit("step", 1)[1])
+            except (OSError, ValueError, IndexError):
+                return None
+        return None
+
+    def wait_for_checkpoint(self, step: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all((self.latest(node) or 0) >= step for node in range(2)):
+                return
+            if any(process.poll() is not None for process in self.processes):
+                raise AssertionError(f"a host ended before checkpoint {step}\n{self.logs()}")
+            time.sleep(0.05)
+        self.kill_all()
+        raise AssertionError(f"no checkpoint {step} on both hosts within {timeout} s\n{self.logs()}")
+
+
+def _weights(hosts: Hosts, node: int) -> Dict[str, torch.Tensor]:
+    return load_weights(hosts.workspace(node))
+
+
+@pytest.fixture(scope="module")
+def one_host_reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
+    """The same experiment on one host with 4 workers."""
+    root = tmp_path_factory.mktemp("one_host")
+    run_tango(config(device_count=4), root / "ws", cwd=root / "cwd")
+    return load_weights(root / "ws")
+
+
+_uninterrupted: Dict[str, Hosts] = {}
+
+
+def uninterrupted(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Hosts:
+    """An uninterrupted two-host run, once per network: over loopback under srun's environment, in
+    the namespaces under torchrun's static rendezvous (the other tests cover the other launchers)."""
+    if network.name not in _uninterrupted:
+        root = tmp_path_factory.mktemp(f"two_hosts_{network.name}")
+        hosts = Hosts(network, root, "slurm" if network.name == "loopback" else "static", config())
+        started = time.monotonic()
+        hosts.run()
+        print(f"[{network.name}] uninterrupted two-host run: {time.monotonic() - started:.1f} s")
+        _uninterrupted[network.name] = hosts
+    return _uninterrupted[network.name]
+
+
+@pytest.mark.slow
+def test_two_hosts_train_as_one_host_with_four_workers(
+    network: Network, one_host_reference: Dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    hosts = uninterrupted(network, tmp_path_factory)
+    for node in range(2):
+        difference = max_abs_difference(_weights(hosts, node), one_host_reference)
+        print(f"[{network.name}] max |host {node} weights.pt - one host, 4 workers| = {difference:.3e}")
+        assert difference <= TOLERANCE
+    # Each host holds its own workers' files of each checkpoint and marks its part.
+    for node, ranks in ((0, [0, 1]), (1, [2, 3])):
+        final = train_work_dir(hosts.workspace(node)) / f"checkpoint_state_step{TRAIN_STEPS}"
+        assert sorted({int(p.name[6 : p.name.index("_")]) for p in final.glob("worker*.pt")}) == ranks
+        marker = checkpointing.read_marker(final)
+        assert marker is not None and marker["world_size"] == 4
+        assert marker["host"]["workers"] == ranks and marker["host"]["num_nodes"] == 2
+        assert not checkpointing.is_complete(final)
+    # Global ranks: host 1's first worker logged as rank 2.
+    assert "[rank 2]" in hosts.output(1)
+
+
+@pytest.mark.slow
+def test_lost_host_ends_the_others_and_a_rerun_resumes(
+    network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    reference = uninterrupted(network, tmp_path_factory)
+    hosts = Hosts(network, tmp_path, "static", config())
+    hosts.start()
+    hosts.wait_for_checkpoint(6)
+    killed_at = time.monotonic()
+    victims = hosts.network.processes(1, hosts.processes[1].pid)
+    _kill(victims)  # every process of host 1: its torchrun, its tango, its workers
+    hosts.processes[1].wait(timeout=30)
+    codes = hosts.wait(timeout=120)
+    seconds = time.monotonic() - killed_at
+    print(f"[{network.name}] host 0 ended {seconds:.1f} s after host 1 was killed ({len(victims)} processes)")
+    assert codes[0] != 0
+    assert seconds < 60
+    output = hosts.output(0)
+    named = f"host 1 ({socket.gethostname()}, {network.addresses[1]}; node rank 1, global ranks 2-3)"
+    assert "HostLostError" in output and named in output, output[-4000:]
+    assert not (train_work_dir(hosts.workspace(0)) / "weights.pt").exists(), "the run ended before the kill"
+
+    started = time.monotonic()
+    hosts.run()
+    print(f"[{network.name}] rerun after the loss: {time.monotonic() - started:.1f} s")
+    for node in range(2):
+        assert "Recovering from previous run" in hosts.output(node)
+        resumed = hosts.output(node).split("Recovering from previous run at ")[1].split()[0]
+        assert int(resumed.rsplit("step", 1)[1]) >= 6
+        difference = max_abs_difference(_weights(hosts, node), _weights(reference, 0))
+        print(f"[{network.name}] max |host {node} resumed - uninterrupted| = {difference:.3e}")
+        assert difference <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_lost_host(
+    network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """c10d rendezvous, --max-restarts=1; host 1's tango and workers die, its torchrun stays."""
+    reference = uninterrupted(network, tmp_path_factory)
+    # One filesystem here: with sharing on, every host's checkpoints are complete.
+    hosts = Hosts(
+        network, tmp_path, "c10d", config(), max_restarts=1, env={"TANGO_FAIRSCALE_SHARED_CHECKPOINTS": "1"}
+    )
+    started = time.monotonic()
+    hosts.start()
+    hosts.wait_for_checkpoint(6)
+    agent = hosts.processes[1].pid
+    _kill([pid for pid in hosts.network.processes(1, agent) if pid != agent])
+    codes = hosts.wait(timeout=300)
+    print(f"[{network.name}] run with a restart: {time.monotonic() - started:.1f} s")
+    assert codes == [0, 0], hosts.logs()
+    for node in range(2):
+        assert "Recovering from previous run" in hosts.output(node)
+        difference = max_abs_difference(_weights(hosts, node), _weights(reference, 0))
+        print(f"[{network.name}] max |host {node} after restart - uninterrupted| = {difference:.3e}")
+        assert difference <= TOLERANCE
+        final = train_work_dir(hosts.workspace(node)) / f"checkpoint_state_step{TRAIN_STEPS}"
+        assert checkpointing.is_complete(final)  # the other host's files hard-linked in
+
+
+def _consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
+    models = checkpointing.load_model_shards(checkpoint_dir)
+    return {
+        "model": checkpointing.consolidate_model_state(models),
+        "optimizer": checkpointing.consolidate_optimizer_state(
+            models, checkpointing.load_optimizer_shards(checkpoint_dir)
+        ),
+    }
+
+
+@pytest.mark.slow
+def test_two_host_checkpoint_resumes_on_one_host(
+    loopback: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Hosts on separate disks: copy the parts together, then resume on one host with 2 workers."""
+    hosts = uninterrupted(loopback, tmp_path_factory)
+    name = f"checkpoint_state_step{TRAIN_STEPS}"
+    merged = tmp_path / "merged" / name
+    shutil.copytree(train_work_dir(hosts.workspace(0)) / name, merged)
+    with pytest.raises(checkpointing.CheckpointError, match=r"incomplete: missing \['worker2_"):
+        checkpointing.require_complete(merged)
+    for path in (train_work_dir(hosts.workspace(1)) / name).glob("worker*.pt"):
+        shutil.copy2(path, merged)
+    assert checkpointing.is_complete(merged)
+
+    experiment = train_config(
+        engine="fairscale",
+        wrap="root",
+        device_count=2,
+        train_steps=TRAIN_STEPS + 6,
+        checkpoint_every=6,
+        callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
+        engine_extra={"resume_from_checkpoint": str(merged)},
+    )
+    result = run_tango(experiment, tmp_path / "ws", cwd=tmp_path / "cwd")
+    assert "Resharding checkpoint" in result.stdout + result.stderr
+    work_dir = train_work_dir(tmp_path / "ws")
+    # Right after loading, the 2 workers hold exactly what the 4 workers on 2 hosts saved.
+    after, saved = _consolidated(work_dir / "after_load"), _consolidated(merged)
+    assert max_abs_difference(after["model"], saved["model"]) == 0.0
+    for parameter, state in saved["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(
+                torch.as_tensor(after["optimizer"]["state"][parameter][key]), torch.as_tensor(value)
+            )
+    # Training went on from step 12, where the two-host run had brought the loss.
+    before = {
+        int(k): v
+        for k, v in json.loads((train_work_dir(hosts.workspace(0)) / "losses.json").read_text()).items()
+    }
+    resumed = {int(k): v for k, v in json.loads((work_dir / "losses.json").read_text()).items()}
+    assert min(resumed) == TRAIN_STEPS
+    first_losses = sum(before[s] for s in range(3)) / 3
+    resumed_mean = sum(resumed.values()) / len(resumed)
+    print(
+        f"loss: first steps {first_losses:.4f}, two hosts' last {before[TRAIN_STEPS - 1]:.4f}, "
+        f"resumed {resumed_mean:.4f}"
+    )
+    assert resumed_mean < 0.5 * first_losses
