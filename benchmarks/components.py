@@ -5,6 +5,7 @@ PyTorch-native FSDP2 as a peer training engine. The model is the GPT-2 of
 """
 
 import json
+import re
 import resource
 import statistics
 import time
@@ -20,6 +21,7 @@ from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
 
 from benchmarks.common import state_bytes
+from tango_fairscale.engine import FairScaleTrainingEngine
 
 
 @Step.register("benchmark::random_tokens")
@@ -181,3 +183,216 @@ class FSDP2TrainingEngine(TorchTrainingEngine):
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         torch.save({}, weights_path)
+
+
+# Per-worker memory budgets: benchmarks/capacity.py and examples/capacity.
+#
+# The budget is RLIMIT_DATA, set by the engine in each worker before the model is built. Since
+# Linux 4.7 it caps a process's private writable mappings (heap, anonymous mmaps: every tensor,
+# Python object and malloc arena in use), which is what training allocates, and leaves out the
+# shared libraries and PROT_NONE reservations that make RLIMIT_AS useless for a PyTorch process
+# (benchmarks/capacity.py --probe-limits measures both). An allocation past the budget fails with
+# ENOMEM: PyTorch raises "DefaultCPUAllocator: can't allocate memory", Python MemoryError.
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """``1536``, ``"1536MiB"``, ``"1.5 GiB"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", value)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"Not a memory size: {value!r} (use bytes or e.g. '1536MiB', '1.5GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _status_bytes(key: str) -> int:
+    """A size from ``/proc/self/status``: VmData (what RLIMIT_DATA is checked against), VmPeak..."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _vm_data_bytes() -> int:
+    """The process's current private writable memory: what RLIMIT_DATA is checked against."""
+    return _status_bytes("VmData")
+
+
+class _PeakSampler:
+    """
+    Samples VmData every few milliseconds in a daemon thread: the kernel keeps a high-water mark
+    for resident memory (ru_maxrss) but none for VmData, which the budget is about. Spikes
+    shorter than the interval can be missed, so the figure is a lower bound of the true peak.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self.started = False
+
+    def start(self) -> None:
+        if self.started:
+            return
+        import threading
+
+        self.started = True
+        threading.Thread(target=self._run, name="vm-data-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, _vm_data_bytes())
+            time.sleep(self.interval_s)
+
+    def reset(self) -> int:
+        """The peak so far (including now); starts a new one."""
+        peak = max(self.peak, _vm_data_bytes())
+        self.peak = 0
+        return peak
+
+
+_SAMPLER = _PeakSampler()
+#: What the limited engines recorded in this worker, for the ``benchmark::capacity_record`` callback.
+_LIMIT_RECORD: Dict[str, Any] = {}
+
+
+def limit_worker_memory(limit: Union[int, str, None]) -> Optional[int]:
+    """
+    Cap this process's RLIMIT_DATA at ``limit`` (soft limit only: the hard limit stays, so that
+    :func:`lift_worker_memory_limit` can raise it again) and start sampling VmData.
+    """
+    _SAMPLER.start()
+    # The runtime (Python, PyTorch, Tango, the data), before the model: part of the budget too.
+    _LIMIT_RECORD["vm_data_at_limit_bytes"] = _vm_data_bytes()
+    if limit is None:
+        return None
+    limit_bytes = parse_bytes(limit)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
+    _LIMIT_RECORD["limit_bytes"] = limit_bytes
+    return limit_bytes
+
+
+def lift_worker_memory_limit() -> None:
+    """
+    Back to the hard limit, once training and its checkpoint are done: what comes after is
+    Tango's consolidation of ``weights.pt`` on worker 0, outside the budget (see capacity.py).
+    """
+    _LIMIT_RECORD["peak_vm_data_training_bytes"] = _SAMPLER.reset()
+    _LIMIT_RECORD["peak_rss_training_bytes"] = _peak_rss_bytes()
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+
+
+def _write_consolidation_record(work_dir: Path, start: float) -> None:
+    record = {
+        "peak_vm_data_consolidation_bytes": _SAMPLER.reset(),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "seconds": time.monotonic() - start,
+    }
+    output_dir = Path(_LIMIT_RECORD.get("output_dir", work_dir))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "capacity_consolidation.json").write_text(json.dumps(record))
+
+
+def _limited_save_complete_weights(
+    engine: TrainingEngine, save: Callable[[Path, Path], None], checkpoint_dir: Path, weights_path: Path
+) -> None:
+    lift_worker_memory_limit()
+    start = time.monotonic()
+    save(checkpoint_dir, weights_path)
+    _write_consolidation_record(engine.train_config.work_dir, start)
+
+
+@TrainingEngine.register("benchmark::torch_limited")
+class LimitedTorchTrainingEngine(TorchTrainingEngine):
+    """
+    Tango's ``"torch"`` engine (DDP) in a worker whose memory is capped at ``memory_limit``
+    (bytes, or e.g. ``"1536MiB"``) from before the model is built until the last checkpoint is
+    written. Otherwise unchanged.
+    """
+
+    def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
+        limit_worker_memory(memory_limit)
+        super().__init__(*args, **kwargs)
+
+    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        _limited_save_complete_weights(
+            self, super().save_complete_weights_from_checkpoint, checkpoint_dir, weights_path
+        )
+
+
+@TrainingEngine.register("benchmark::fairscale_limited")
+class LimitedFairScaleTrainingEngine(FairScaleTrainingEngine):
+    """This plugin's ``"fairscale"`` engine under a per-worker ``memory_limit``, as above."""
+
+    def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
+        limit_worker_memory(memory_limit)
+        super().__init__(*args, **kwargs)
+
+    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        _limited_save_complete_weights(
+            self, super().save_complete_weights_from_checkpoint, checkpoint_dir, weights_path
+        )
+
+
+@TrainingEngine.register("benchmark::fsdp2_limited")
+class LimitedFSDP2TrainingEngine(FSDP2TrainingEngine):
+    """The benchmark-only FSDP2 engine (``"benchmark::fsdp2"``) under a per-worker ``memory_limit``."""
+
+    def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
+        limit_worker_memory(memory_limit)
+        super().__init__(*args, **kwargs)
+
+    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        _limited_save_complete_weights(
+            self, super().save_complete_weights_from_checkpoint, checkpoint_dir, weights_path
+        )
+
+
+@TrainCallback.register("benchmark::capacity_record")
+class CapacityRecord(TrainCallback):
+    """
+    Per worker, after the last step: the training loss of every step, the memory figures of the
+    budget (the sampled VmData peak, the resident peak) and the model's size; written to
+    ``capacity_worker{N}.json`` in ``output_dir`` (default: the step's work directory).
+    """
+
+    def __init__(self, *args: Any, output_dir: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: List[float] = []
+        # An uncached step's work directory is a temporary one, gone when the run ends.
+        self.output_dir = Path(output_dir) if output_dir else Path(self.train_config.work_dir)
+        _LIMIT_RECORD["output_dir"] = str(self.output_dir)
+
+    def post_batch(
+        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
+    ) -> None:
+        self.losses.append(float(batch_loss))
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        model = self.training_engine.model
+        record = {
+            "worker": self.train_config.worker_id,
+            "world_size": self.train_config.world_size,
+            "losses": self.losses,
+            # This worker's share (a shard under FSDP, everything under DDP).
+            "local_parameters": sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()),
+            "limit_bytes": _LIMIT_RECORD.get("limit_bytes"),
+            "vm_data_at_limit_bytes": _LIMIT_RECORD.get("vm_data_at_limit_bytes"),
+            # The high-water marks so far: the limit is still on (it is lifted after this).
+            "peak_vm_data_bytes": max(_SAMPLER.peak, _vm_data_bytes()),
+            "peak_rss_bytes": _peak_rss_bytes(),
+            "vm_data_bytes": _vm_data_bytes(),
+            # Parameters, gradients and optimizer state, counted tensor by tensor.
+            "state_bytes": sum(state_bytes(self.training_engine).values()),
+            # The peak virtual size, what RLIMIT_AS would have to allow: shared libraries and
+            # address space reserved but never touched come on top of the real use.
+            "peak_vm_size_bytes": _status_bytes("VmPeak"),
+        }
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"capacity_worker{self.train_config.worker_id}.json").write_text(
+            json.dumps(record)
+        )

@@ -4,6 +4,9 @@ FSDP2, trained side by side through real ``tango run`` commands on the same mode
 
     python benchmarks/run.py [--quick] [--world-sizes 2,4] [--json PATH] [--markdown PATH] [--chart PATH]
 
+``python benchmarks/run.py --capacity [...]`` runs ``benchmarks/capacity.py`` instead: the largest
+model each configuration trains within a per-worker memory budget.
+
 Per worker it records model-state bytes (parameters, gradients and optimizer state held after a
 step, counted tensor by tensor), peak resident memory, and the median step time after warm-up.
 Ratios to DDP at the same world size are the headline: absolute times depend on the machine.
@@ -337,7 +340,19 @@ def chart(records: List[Dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--capacity" in argv:
+        # A benchmark of its own (benchmarks/capacity.py), with its own options.
+        from benchmarks import capacity
+
+        return capacity.main([a for a in argv if a != "--capacity"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="instead: the largest model each configuration trains in a per-worker memory budget "
+        "(benchmarks/capacity.py; see its --help)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (for CI)")
     parser.add_argument(
         "--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline"

@@ -1,0 +1,890 @@
+"""
+Capacity: the largest GPT-2 that each configuration trains within a per-worker memory budget.
+
+    python benchmarks/capacity.py [--budget auto|SIZE] [--world-sizes 2,4] [--configs ...]
+                                  [--json PATH] [--markdown PATH] [--chart PATH]
+    python benchmarks/run.py --capacity ...   (the same)
+    python benchmarks/capacity.py --probe-limits   (what RLIMIT_AS and RLIMIT_DATA count)
+
+The model family is GPT-2 small's width (768, 12 heads) with a byte vocabulary (257), 64
+positions and a variable depth: each block adds 7.08 M parameters and nothing else changes, so a
+depth is a clean parameter count. A trial is one ``tango run`` of ``torch::train``: 3 AdamW steps
+at 2 sequences per worker, every worker capped by ``RLIMIT_DATA`` from before it builds the model
+until its last checkpoint is written (the ``benchmark::*_limited`` engines of ``components.py``).
+It fits if the run exits 0. For each configuration and number of workers a search of a few
+trials finds the largest depth that fits and the smallest that fails: a first guess from a
+memory model (learned from the searches before it), predictions from the measured peak of each
+fitting trial, halving the interval when a prediction falls outside it.
+
+``--budget auto`` (the default) first runs DDP on 2 workers without a limit on the smallest model
+of 50 M parameters or more, and takes its peak, rounded up to 64 MiB, as the budget.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, this file's own folder is on sys.path, not the repository.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import free_port, host_environment  # noqa: E402
+
+BLOCK = "GPT2Block"
+MIB = 2**20
+
+#: The model family: the depth varies, the rest is fixed. GPT-2 small's width: at narrower widths
+#: a block's flat parameter falls under the fairscale engine's 16 MiB mmap threshold and its
+#: buffers fragment the heap (see docs/capacity.md), which would measure malloc, not sharding.
+SHAPES: Dict[str, Dict[str, int]] = {
+    "full": {"n_embd": 768, "n_head": 12, "vocab_size": 257, "n_positions": 64},
+    # For the tests: trials of a few seconds.
+    "quick": {"n_embd": 64, "n_head": 2, "vocab_size": 257, "n_positions": 32},
+}
+
+#: name -> (engine, engine options, wrapper options or None for the plain model, label)
+CONFIGS: Dict[str, Tuple[str, Dict[str, Any], Optional[Dict[str, Any]], str]] = {
+    "ddp": ("benchmark::torch_limited", {}, None, 'DDP: Tango\'s "torch" engine'),
+    "fsdp": (
+        "benchmark::fairscale_limited",
+        {"init_on_meta": True},
+        {"fsdp_config": {}},
+        "FairScale FSDP: one unit per block, init_on_meta",
+    ),
+    "fsdp_ckpt": (
+        "benchmark::fairscale_limited",
+        {"init_on_meta": True},
+        {"fsdp_config": {}, "activation_checkpointing": True},
+        "fsdp and activation checkpointing",
+    ),
+    "fsdp2": (
+        "benchmark::fsdp2_limited",
+        {"wrap_module_classes": [BLOCK]},
+        None,
+        "PyTorch FSDP2 (the benchmark-only engine benchmark::fsdp2)",
+    ),
+}
+
+#: Model-state bytes per parameter on one worker before sharding, for first guesses only:
+#: parameters, gradients and Adam's two moments (16), and DDP's gradient buckets (4 more).
+STATE_BYTES = {"ddp": 20.0, "fsdp": 16.0, "fsdp_ckpt": 16.0, "fsdp2": 16.0}
+
+
+def block_parameters(shape: Dict[str, int]) -> int:
+    """One GPT-2 block: attention (4 d^2 + 4 d), MLP (8 d^2 + 5 d), two layer norms (4 d)."""
+    d = shape["n_embd"]
+    return 12 * d * d + 13 * d
+
+
+def model_parameters(shape: Dict[str, int], depth: int) -> int:
+    """The blocks, token and position embeddings and the final norm (the output layer is tied)."""
+    d = shape["n_embd"]
+    return depth * block_parameters(shape) + (shape["vocab_size"] + shape["n_positions"]) * d + 2 * d
+
+
+def depth_for(shape: Dict[str, int], parameters: float) -> int:
+    """The smallest depth with at least ``parameters`` parameters."""
+    fixed = model_parameters(shape, 0)
+    return max(1, math.ceil((parameters - fixed) / block_parameters(shape)))
+
+
+# --------------------------------------------------------------------------------------------
+# One trial
+
+
+def experiment(
+    name: str, world_size: int, depth: int, args: argparse.Namespace, records: Path
+) -> Dict[str, Any]:
+    engine_type, engine_options, wrapper, _ = CONFIGS[name]
+    model: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, "n_layer": depth, **args.shape}
+    if wrapper is not None:
+        model = {
+            "type": "fairscale::with_wrapped_modules",
+            "model": model,
+            "wrap_module_classes": [BLOCK],
+            **wrapper,
+        }
+    engine: Dict[str, Any] = {
+        "type": engine_type,
+        "optimizer": {"type": "torch::AdamW", "lr": 1e-4},
+        **engine_options,
+    }
+    if args.budget_bytes is not None:
+        engine["memory_limit"] = args.budget_bytes
+    return {
+        "steps": {
+            "data": {
+                "type": "benchmark::random_tokens",
+                "vocab_size": args.shape["vocab_size"],
+                "sequence_length": args.shape["n_positions"],
+                "count": args.batch_size * world_size * args.steps,
+            },
+            "train": {
+                "type": "torch::train",
+                "model": model,
+                "training_engine": engine,
+                "dataset_dict": {"type": "ref", "ref": "data"},
+                "train_dataloader": {
+                    "batch_size": args.batch_size,
+                    "sampler": {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True},
+                },
+                "train_steps": args.steps,
+                "checkpoint_every": args.steps,
+                "log_every": args.steps,
+                "device_count": world_size,
+                "distributed_port": free_port(),
+                "callbacks": [{"type": "benchmark::capacity_record", "output_dir": str(records)}],
+                # The step's result is the final model, which the main process builds in full
+                # anyway; caching it as well would cost seconds and gigabytes per trial. An
+                # uncached step works in a temporary directory (under TMPDIR).
+                "cache_results": False,
+            },
+        }
+    }
+
+
+#: An out-of-memory failure in a run's output, most specific first.
+MEMORY_ERRORS = [
+    r"can't allocate memory: you tried to allocate (\d+) bytes",
+    r"Cannot allocate memory",
+    r"MemoryError",
+    r"std::bad_alloc",
+]
+#: A worker that died of a signal (e.g. C++ code that does not check a failed allocation, or
+#: the kernel's OOM killer): how torch.multiprocessing reports it.
+SIGNALLED = r"process \d+ terminated with signal (SIG\w+)"
+FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+
+
+def failure_reason(output: str, returncode: int) -> Tuple[bool, str]:
+    """(whether the run failed for memory, what failed and where)."""
+    lines = output.splitlines()
+    for pattern in MEMORY_ERRORS:
+        hits = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+        if not hits:
+            continue
+        line = lines[hits[-1]]
+        size = re.search(MEMORY_ERRORS[0], line)
+        what = f"can't allocate {int(size.group(1)) / MIB:.1f} MiB (ENOMEM)" if size else line.strip()[:200]
+        # The innermost frame of the failing worker's traceback: where it ran out.
+        frames = [FRAME.search(lines[i]) for i in range(hits[-1] - 1, -1, -1)]
+        frame = next((f for f in frames if f is not None), None)
+        where = f" in {Path(frame.group(1)).name}:{frame.group(2)}" if frame else ""
+        return True, what + where
+    signalled = re.findall(SIGNALLED, output, flags=re.IGNORECASE)
+    if signalled:
+        return True, f"a worker was killed by {signalled[-1]}"
+    last = next((line.strip() for line in reversed(lines) if line.strip()), f"exit status {returncode}")
+    return False, last[:200]
+
+
+#: ``tango run`` in a process that reports its own peak resident memory: the main process,
+#: which the budget leaves alone, builds the full model once more for the step's result.
+TANGO_MAIN = """
+import json, resource, sys
+from tango.__main__ import main
+try:
+    main(sys.argv[2:])
+finally:
+    with open(sys.argv[1], "w") as handle:
+        json.dump({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, handle)
+"""
+
+
+@dataclass
+class Trial:
+    config: str
+    world_size: int
+    depth: int
+    parameters: int
+    fits: bool
+    wall_s: float
+    memory_error: bool = False
+    error: Optional[str] = None
+    # From the workers (fitting trials only), each the largest over the workers:
+    #: the sampled peak of private memory, what the budget limits;
+    peak_vm_data_bytes: Optional[int] = None
+    #: the peak resident set and the peak virtual size (what RLIMIT_AS would have to allow);
+    peak_rss_bytes: Optional[int] = None
+    peak_vm_size_bytes: Optional[int] = None
+    #: private memory when the engine started, before the model: the runtime;
+    runtime_bytes: Optional[int] = None
+    #: parameters, gradients and optimizer state after the last step, tensor by tensor.
+    state_bytes: Optional[int] = None
+    losses: Optional[List[float]] = None
+    #: Worker 0's consolidation of weights.pt after training (not limited).
+    consolidation_vm_data_bytes: Optional[int] = None
+    #: The main ``tango`` process (not limited).
+    main_peak_rss_bytes: Optional[int] = None
+
+
+def run_trial(
+    name: str, world_size: int, depth: int, args: argparse.Namespace, scratch: Path, log: Optional[Path]
+) -> Trial:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-ws{world_size}-L{depth}-", dir=scratch))
+    records = run_dir / "records"
+    (run_dir / "config.json").write_text(json.dumps(experiment(name, world_size, depth, args, records)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        # Workers share the cores; more threads than cores only adds contention.
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size)),
+        # The uncached step's temporary work directory (checkpoints, weights) lands in run_dir,
+        # which is removed below even when the run was killed.
+        "TMPDIR": str(run_dir),
+    }
+    main_record = run_dir / "main.json"
+    command = [sys.executable, "-c", TANGO_MAIN, str(main_record), "run", str(run_dir / "config.json")]
+    command += ["-w", str(run_dir / "ws")]
+    for package in ("tango_fairscale", "examples.train_gpt2.components", "benchmarks.components"):
+        command += ["-i", package]
+    start = time.monotonic()
+    try:
+        result = subprocess.run(
+            command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.trial_timeout
+        )
+        returncode, output = result.returncode, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as error:
+        returncode = -1
+        # With text=True the partial output is text, but typed as bytes too.
+        partial = [
+            part.decode() if isinstance(part, bytes) else part or "" for part in (error.stdout, error.stderr)
+        ]
+        output = "".join(partial) + f"\ntimed out after {args.trial_timeout:.0f} s"
+    trial = Trial(
+        name,
+        world_size,
+        depth,
+        model_parameters(args.shape, depth),
+        returncode == 0,
+        time.monotonic() - start,
+    )
+    try:
+        if main_record.exists():
+            trial.main_peak_rss_bytes = json.loads(main_record.read_text())["peak_rss_bytes"]
+        workers = [json.loads(p.read_text()) for p in sorted(records.glob("capacity_worker*.json"))]
+        if trial.fits and len(workers) != world_size:
+            trial.fits, trial.error = False, f"{len(workers)} of {world_size} worker records"
+        elif trial.fits:
+            # The worker that needs the most decides what fits.
+            trial.peak_vm_data_bytes = max(w["peak_vm_data_bytes"] for w in workers)
+            trial.peak_rss_bytes = max(w["peak_rss_bytes"] for w in workers)
+            trial.peak_vm_size_bytes = max(w["peak_vm_size_bytes"] for w in workers)
+            trial.runtime_bytes = max(w["vm_data_at_limit_bytes"] for w in workers)
+            trial.state_bytes = max(w["state_bytes"] for w in workers)
+            trial.losses = workers[0]["losses"]
+            consolidation = records / "capacity_consolidation.json"
+            if consolidation.exists():
+                trial.consolidation_vm_data_bytes = json.loads(consolidation.read_text())[
+                    "peak_vm_data_consolidation_bytes"
+                ]
+        else:
+            trial.memory_error, trial.error = failure_reason(output, returncode)
+        if not trial.fits and log is not None:
+            with log.open("a") as handle:
+                handle.write(f"\n===== {name} on {world_size} workers, depth {depth}: exit {returncode}\n")
+                handle.write(output[-8000:])
+    finally:
+        # Checkpoints and weights: gigabytes per trial, a disk's worth over a search.
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return trial
+
+
+# --------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class Search:
+    config: str
+    world_size: int
+    trials: List[Trial] = field(default_factory=list)
+
+    @property
+    def largest_fit(self) -> Optional[Trial]:
+        return max((t for t in self.trials if t.fits), key=lambda t: t.depth, default=None)
+
+    @property
+    def smallest_failure(self) -> Optional[Trial]:
+        return min((t for t in self.trials if not t.fits), key=lambda t: t.depth, default=None)
+
+    @property
+    def resolved(self) -> bool:
+        fit, failure = self.largest_fit, self.smallest_failure
+        if failure is None:
+            return False
+        return failure.depth == 1 or (fit is not None and failure.depth - fit.depth == 1)
+
+
+@dataclass
+class MemoryModel:
+    """
+    A worker's peak private memory as ``intercept + depth x per_block`` for one configuration,
+    where ``per_block`` is the model state of a block on one worker plus ``extra_per_block``
+    (activations, buffers): for first guesses, refined by every fitting trial.
+    """
+
+    intercept: float
+    extra_per_block: float
+
+    def per_block(self, name: str, world_size: int, shape: Dict[str, int]) -> float:
+        shards = 1 if name == "ddp" else world_size
+        return STATE_BYTES[name] * block_parameters(shape) / shards + self.extra_per_block
+
+    @classmethod
+    def learn(cls, search: Search, shape: Dict[str, int], batch_size: int) -> Optional["MemoryModel"]:
+        fits = sorted((t for t in search.trials if t.fits and t.peak_vm_data_bytes), key=lambda t: t.depth)
+        if not fits:
+            return None
+        shards = 1 if search.config == "ddp" else search.world_size
+        state = STATE_BYTES[search.config] * block_parameters(shape) / shards
+        top = fits[-1]
+        assert top.peak_vm_data_bytes is not None
+        if len(fits) >= 2 and fits[-2].peak_vm_data_bytes:
+            slope = (top.peak_vm_data_bytes - fits[-2].peak_vm_data_bytes) / (top.depth - fits[-2].depth)
+            extra = max(0.0, slope - state)
+        else:
+            extra = activation_bytes_per_block(search.config, shape, batch_size)
+        return cls(top.peak_vm_data_bytes - (state + extra) * top.depth, extra)
+
+
+def activation_bytes_per_block(name: str, shape: Dict[str, int], batch_size: int) -> float:
+    """
+    What one block saves for backward: about 17 float32 values of the width per token, and the
+    attention probabilities (a few copies of heads x positions per token); its input alone with
+    activation checkpointing.
+    """
+    d, tokens = shape["n_embd"], batch_size * shape["n_positions"]
+    if name == "fsdp_ckpt":
+        return tokens * d * 4
+    return tokens * (17 * d + 3 * shape["n_head"] * shape["n_positions"]) * 4
+
+
+def next_depth(search: Search, budget: int, model: MemoryModel, shape: Dict[str, int]) -> Optional[int]:
+    """
+    The next depth to try, or None once the search is resolved. With a fitting trial: its
+    measured peak plus the per-block cost (the slope between two fitting trials where there are
+    two) predicts the largest depth that fits. Without one: the memory model does. A prediction
+    of "no more than the largest fit" tries one block more, to find the failure that resolves the
+    search. A prediction at or above a failure means the model is off: near the failure (within
+    4 blocks of a fit) try just below it; else back off to 80 % of the failing depth after a first
+    failure (the guess was probably close), and halve the interval after that.
+    """
+    if search.resolved:
+        return None
+    fit, failure = search.largest_fit, search.smallest_failure
+    low = fit.depth if fit else 0
+    per_block = model.per_block(search.config, search.world_size, shape)
+    fits = sorted((t for t in search.trials if t.fits and t.peak_vm_data_bytes), key=lambda t: t.depth)
+    if len(fits) >= 2 and fits[-2].peak_vm_data_bytes and fits[-1].peak_vm_data_bytes:
+        slope = (fits[-1].peak_vm_data_bytes - fits[-2].peak_vm_data_bytes) / (
+            fits[-1].depth - fits[-2].depth
+        )
+        # Noise can make a measured slope tiny or negative: not below half the expected one.
+        per_block = max(slope, per_block / 2)
+    if fit is not None and fit.peak_vm_data_bytes:
+        guess = fit.depth + math.floor((budget - fit.peak_vm_data_bytes) / per_block)
+    else:
+        guess = math.floor((budget - model.intercept) / per_block)
+    if failure is None:
+        return max(guess, low + 1)
+    high = failure.depth
+    if low < guess < high:
+        return guess
+    if guess <= low:
+        return low + 1
+    if fit is not None and high - low <= 4:
+        return high - 1
+    if fit is None and len(search.trials) == 1:
+        return max(1, math.floor(high * 0.8))
+    return (low + high) // 2
+
+
+def search_capacity(
+    name: str,
+    world_size: int,
+    args: argparse.Namespace,
+    scratch: Path,
+    model: MemoryModel,
+    on_trial: Callable[[Search, Trial], None],
+) -> Search:
+    search = Search(name, world_size)
+    for _ in range(args.max_trials):
+        depth = next_depth(search, args.budget_bytes, model, args.shape)
+        if depth is None or depth < 1 or depth > args.max_depth:
+            break
+        search.trials.append(run_trial(name, world_size, depth, args, scratch, args.log))
+        on_trial(search, search.trials[-1])
+    return search
+
+
+def first_model(
+    name: str, world_size: int, learned: Dict[str, MemoryModel], fallback: MemoryModel
+) -> MemoryModel:
+    """The memory model for a new search: this configuration's from another number of workers,
+    else plain FSDP's for the other FSDP configurations, else the calibration's."""
+    if name in learned:
+        return learned[name]
+    if name != "ddp" and "fsdp" in learned:
+        return learned["fsdp"]
+    return fallback
+
+
+# --------------------------------------------------------------------------------------------
+# Budget, report
+
+
+def calibrate(args: argparse.Namespace, scratch: Path) -> Dict[str, Any]:
+    """DDP on 2 workers without a limit, on the smallest model of ``--calibrate-parameters``."""
+    depth = depth_for(args.shape, args.calibrate_parameters)
+    budget, args.budget_bytes = args.budget_bytes, None
+    try:
+        trial = run_trial("ddp", 2, depth, args, scratch, args.log)
+    finally:
+        args.budget_bytes = budget
+    if not trial.fits or trial.peak_vm_data_bytes is None:
+        raise RuntimeError(f"The calibration run (DDP, depth {depth}, no limit) failed: {trial.error}")
+    # Rounded up to 64 MiB: some headroom over the sampled peak, which can miss short spikes.
+    return {
+        "parameters": args.calibrate_parameters,
+        "depth": depth,
+        "trial": asdict(trial),
+        "budget_bytes": -(-trial.peak_vm_data_bytes // (64 * MIB)) * 64 * MIB,
+    }
+
+
+def summarize(searches: List[Search], budget: int) -> List[Dict[str, Any]]:
+    ddp = {s.world_size: s.largest_fit for s in searches if s.config == "ddp"}
+    records = []
+    for search in searches:
+        fit, failure = search.largest_fit, search.smallest_failure
+        reference = ddp.get(search.world_size)
+        record: Dict[str, Any] = {
+            "config": search.config,
+            "world_size": search.world_size,
+            "label": CONFIGS[search.config][3],
+            "resolved": search.resolved,
+            "fit": asdict(fit) if fit else None,
+            "fail": asdict(failure) if failure else None,
+            "fit_parameters": fit.parameters if fit else None,
+            "fail_parameters": failure.parameters if failure else None,
+            "vs_ddp": fit.parameters / reference.parameters if fit and reference else None,
+            "trials": [asdict(t) for t in search.trials],
+            "search_wall_s": sum(t.wall_s for t in search.trials),
+        }
+        if fit and fit.peak_vm_data_bytes and fit.runtime_bytes and fit.state_bytes:
+            # Where the budget went in the largest model that fits, per worker.
+            record["breakdown_bytes"] = {
+                "runtime": fit.runtime_bytes,
+                "model_state": fit.state_bytes,
+                "rest": fit.peak_vm_data_bytes - fit.runtime_bytes - fit.state_bytes,
+                "headroom": budget - fit.peak_vm_data_bytes,
+            }
+        records.append(record)
+    return records
+
+
+def millions(value: Optional[int]) -> str:
+    return f"{value / 1e6:.1f} M" if value is not None else "-"
+
+
+def mib(value: Optional[float]) -> str:
+    return f"{value / MIB:,.0f} MiB" if value is not None else "-"
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    settings, records, budget = data["settings"], data["records"], data["budget_bytes"]
+    shape = settings["shape"]
+    calibration = data.get("calibration")
+    lines = [
+        "# Capacity: the largest model that trains in a per-worker memory budget",
+        "",
+        f"GPT-2 of width {shape['n_embd']} ({shape['n_head']} heads, vocabulary {shape['vocab_size']}, "
+        f"{shape['n_positions']} positions) and variable depth, {block_parameters(shape) / 1e6:.2f} M "
+        f"parameters per block. Each trial is a `tango run` of {settings['steps']} AdamW steps at "
+        f"{settings['batch_size']} sequences per worker, every worker capped by `RLIMIT_DATA` at "
+        f"**{mib(budget)}** from before it builds the model until its last checkpoint is written; it "
+        "fits if the run exits 0. Not limited: the main `tango` process, which builds the full model "
+        "again for the step's result, and worker 0's consolidation of `weights.pt` after training.",
+        "",
+    ]
+    if calibration:
+        trial = calibration["trial"]
+        lines += [
+            f"The budget is the peak private memory (VmData) of DDP on 2 workers, with no limit, "
+            f"training the smallest model of {calibration['parameters'] / 1e6:g} M parameters or more "
+            f"({millions(trial['parameters'])}, depth {calibration['depth']}): "
+            f"{mib(trial['peak_vm_data_bytes'])}, rounded up to 64 MiB.",
+            "",
+        ]
+    lines += [
+        "| | |",
+        "|---|---|",
+        *[f"| {key} | {value} |" for key, value in data["environment"].items()],
+        "",
+        "Reproduce: `python benchmarks/run.py --capacity"
+        + (" --quick" if settings["quick"] else "")
+        + f" --world-sizes {','.join(map(str, settings['world_sizes']))}`"
+        + (f" (`--budget {budget}` skips the calibration)" if calibration else f" --budget {budget}"),
+        "",
+        "| config | workers | trains | x DDP | fails | failure of the smaller that fails | trials |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in records:
+        fit, fail = r["fit"], r["fail"]
+        trains = f"{millions(fit['parameters'])} ({fit['depth']} blocks)" if fit else "nothing"
+        fails = f"{millions(fail['parameters'])} ({fail['depth']} blocks)" if fail else "-"
+        error = (fail["error"] or "-") if fail else "-"
+        if fail and not fail["memory_error"]:
+            error = "**not a memory error**: " + error
+        ratio = f"{r['vs_ddp']:.2f}" if r["vs_ddp"] is not None else "-"
+        unresolved = "" if r["resolved"] else " (unresolved)"
+        lines.append(
+            f"| `{r['config']}` | {r['world_size']} | {trains} | {ratio} | {fails} "
+            f"| {error.replace('|', '/')} | {len(r['trials'])}{unresolved} |"
+        )
+    lines += [
+        "",
+        *[
+            f"- `{name}`: {label}"
+            for name, (_, _, _, label) in CONFIGS.items()
+            if name in settings["configs"]
+        ],
+        "",
+        "## Where the budget goes",
+        "",
+        "Per worker, in the largest model that trains: private memory when the engine started (the "
+        "Python/PyTorch/Tango runtime), model state after the last step (parameters, gradients, "
+        "AdamW's moments, counted tensor by tensor), and the rest of the sampled peak (activations, "
+        "gathered units and their gradients, DDP's gradient buckets, freed memory the allocator "
+        "keeps). Peak RSS and peak virtual size for comparison: `RLIMIT_AS` would have to allow the "
+        "latter.",
+        "",
+        "| config | workers | runtime | model state | rest | headroom | peak VmData | peak RSS "
+        "| peak virtual | main process RSS | consolidation (worker 0) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        fit, parts = r["fit"], r.get("breakdown_bytes")
+        if not fit or not parts:
+            continue
+        lines.append(
+            f"| `{r['config']}` | {r['world_size']} | {mib(parts['runtime'])} | {mib(parts['model_state'])} "
+            f"| {mib(parts['rest'])} | {mib(parts['headroom'])} | {mib(fit['peak_vm_data_bytes'])} "
+            f"| {mib(fit['peak_rss_bytes'])} | {mib(fit['peak_vm_size_bytes'])} "
+            f"| {mib(fit['main_peak_rss_bytes'])} | {mib(fit['consolidation_vm_data_bytes'])} |"
+        )
+    lines += ["", *targets(records), "", "![parameters trainable per budget](capacity.png)", ""]
+    return "\n".join(lines)
+
+
+#: (world size, minimum ratio of `fsdp`'s trainable parameters to DDP's): the issue's targets.
+TARGETS = [(2, 1.8), (4, 3.2)]
+
+
+def targets(records: List[Dict[str, Any]]) -> List[str]:
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    lines = [
+        "## Targets (`fsdp` against DDP, at a budget where DDP trains 50 M parameters or more)",
+        "",
+        "| workers | target | measured | |",
+        "|---:|---:|---:|---|",
+    ]
+    for world_size, minimum in TARGETS:
+        record, ddp = by_key.get(("fsdp", world_size)), by_key.get(("ddp", world_size))
+        if record is None or record["vs_ddp"] is None or ddp is None:
+            continue
+        if (ddp["fit_parameters"] or 0) >= 50e6:
+            verdict = "met" if record["vs_ddp"] >= minimum else "missed"
+        else:
+            verdict = "n/a: DDP trains less than 50 M here"
+        lines.append(f"| {world_size} | >= {minimum:.1f} x | {record['vs_ddp']:.2f} x | {verdict} |")
+    return lines
+
+
+def chart(data: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = data["records"]
+    world_sizes = sorted({r["world_size"] for r in records})
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1.1, 1]})
+    width = 0.8 / len(world_sizes)
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b3"]
+    for index, world_size in enumerate(world_sizes):
+        offset = (index - (len(world_sizes) - 1) / 2) * width
+        for position, config in enumerate(configs):
+            record = by_key.get((config, world_size))
+            if record is None:
+                continue
+            fit = (record["fit_parameters"] or 0) / 1e6
+            left.bar(position + offset, fit, width * 0.92, color=colors[index % len(colors)])
+            if record["fail_parameters"]:
+                left.hlines(
+                    record["fail_parameters"] / 1e6,
+                    position + offset - width * 0.46,
+                    position + offset + width * 0.46,
+                    colors="black",
+                    linestyles="dashed",
+                    linewidth=1.2,
+                )
+            label = f"{record['vs_ddp']:.2f}x" if record["vs_ddp"] is not None else ""
+            left.annotate(
+                label,
+                (position + offset, fit),
+                ha="center",
+                va="bottom",
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=9,
+            )
+    for index, world_size in enumerate(world_sizes):
+        left.bar(
+            [], [], color=colors[index % len(colors)], label=f"{world_size} workers: largest that trains"
+        )
+    left.hlines([], 0, 0, colors="black", linestyles="dashed", label="smallest that fails")
+    left.set_xticks(range(len(configs)))
+    left.set_xticklabels(configs)
+    left.set_ylabel("parameters (millions)")
+    left.set_title(f"Largest GPT-2 that trains in {mib(data['budget_bytes'])} per worker (x DDP's)")
+    left.legend(loc="upper left", fontsize=9)
+    left.grid(axis="y", alpha=0.3)
+
+    # Where the budget goes in each configuration's largest model, per worker.
+    rows = [r for r in records if r.get("breakdown_bytes")]
+    names = [f"{r['config']} x{r['world_size']}" for r in rows]
+    parts = [
+        ("runtime", "runtime (before the model)", "#bbbbbb"),
+        ("model_state", "model state (params, grads, AdamW)", "#4c72b0"),
+        ("rest", "rest (activations, buffers, allocator)", "#dd8452"),
+        ("headroom", "headroom", "#eeeeee"),
+    ]
+    starts = [0.0] * len(rows)
+    for key, label, color in parts:
+        values = [max(0.0, r["breakdown_bytes"][key] / MIB) for r in rows]
+        right.barh(names, values, left=starts, color=color, label=label, edgecolor="white")
+        starts = [s + v for s, v in zip(starts, values)]
+    right.axvline(data["budget_bytes"] / MIB, color="black", linewidth=1)
+    right.invert_yaxis()
+    right.set_xlabel("MiB per worker")
+    right.set_title("Where the budget goes, in the largest model that trains")
+    right.legend(loc="lower center", bbox_to_anchor=(0.5, -0.32), ncol=2, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_outputs(data: Dict[str, Any], args: argparse.Namespace) -> str:
+    text = markdown(data)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    if args.chart and data["records"]:
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        chart(data, args.chart)
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Which rlimit
+
+PROBE = """
+import resource, sys, torch
+sys.path.insert(0, sys.argv[1])
+from examples.train_gpt2.components import GPT2LanguageModel
+limit, budget, depth = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+resource.setrlimit(getattr(resource, limit), (budget, resource.RLIM_INFINITY))
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return ", ".join(f"{k} {int(fields[k].split()[0]) // 1024} MiB" for k in ("VmPeak", "VmHWM", "VmData"))
+try:
+    model = GPT2LanguageModel(
+        vocab_size=257, n_positions=64, n_embd=768, n_layer=depth, n_head=12, dropout=0.0
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(257, (2, 64))
+    for _ in range(3):
+        model(input_ids=tokens, labels=tokens)["loss"].backward()
+        optimizer.step()
+    print(f"{limit}: trains ({status()})")
+except (RuntimeError, MemoryError) as error:
+    print(f"{limit}: fails ({status()}): {str(error).splitlines()[-1][:90]}")
+"""
+
+
+def probe_limits(budget: int, depth: int) -> int:
+    """
+    One process trains a GPT-2 of ``depth`` blocks for 3 AdamW steps under each rlimit at the
+    same budget: RLIMIT_AS counts the shared libraries and reserved address space as well (its
+    peak, VmPeak, is far above the resident peak, VmHWM), RLIMIT_DATA about what is used.
+    """
+    parameters = model_parameters(SHAPES["full"], depth)
+    print(f"GPT-2 width 768, depth {depth} ({parameters / 1e6:.1f} M parameters), budget {mib(budget)}:")
+    for limit in ("RLIMIT_AS", "RLIMIT_DATA"):
+        subprocess.run(
+            [sys.executable, "-c", PROBE, str(REPO), limit, str(budget), str(depth)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--budget", default="auto", help="bytes per worker (e.g. 1536MiB, 1.5GiB), or auto (default)"
+    )
+    parser.add_argument(
+        "--calibrate-parameters",
+        type=float,
+        default=None,
+        help="with --budget auto: the model size DDP must train (default 50e6; --quick 1e6)",
+    )
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated worker counts, 2 or more")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of " + ", ".join(CONFIGS))
+    parser.add_argument("--quick", action="store_true", help="a tiny width: trials of seconds (for tests)")
+    parser.add_argument("--steps", type=int, default=3, help="AdamW steps per trial (default 3)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step (default 2)")
+    parser.add_argument("--max-trials", type=int, default=6, help="trials per configuration (default 6)")
+    parser.add_argument("--max-depth", type=int, default=500, help="the deepest model to try")
+    parser.add_argument("--trial-timeout", type=float, default=900, help="seconds allowed per trial")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here, after every trial")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables here")
+    parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
+    parser.add_argument("--log", type=Path, default=None, help="append failing trials' output here")
+    parser.add_argument(
+        "--render", type=Path, default=None, help="no runs: tables and chart from --json output"
+    )
+    parser.add_argument(
+        "--probe-limits",
+        type=int,
+        metavar="DEPTH",
+        nargs="?",
+        const=9,
+        default=None,
+        help="no runs: train one process of DEPTH blocks (default 9) under RLIMIT_AS and RLIMIT_DATA "
+        "at --budget (default 1536MiB) and print what each counted",
+    )
+    args = parser.parse_args(argv)
+    from benchmarks.components import parse_bytes
+
+    if args.probe_limits is not None:
+        return probe_limits(
+            parse_bytes("1536MiB" if args.budget == "auto" else args.budget), args.probe_limits
+        )
+    if args.render is not None:
+        print(write_outputs(json.loads(args.render.read_text()), args))
+        return 0
+    if not sys.platform.startswith("linux"):
+        parser.error("the budget is RLIMIT_DATA, which counts private memory on Linux only")
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+    world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
+    if not world_sizes or world_sizes[0] < 2:
+        parser.error("--world-sizes: 2 workers or more (FSDP needs 2)")
+    if args.calibrate_parameters is None:
+        args.calibrate_parameters = 1e6 if args.quick else 50e6
+    args.budget_bytes = None if args.budget == "auto" else parse_bytes(args.budget)
+    args.shape = SHAPES["quick" if args.quick else "full"]
+
+    started = time.monotonic()
+    data: Dict[str, Any] = {
+        "environment": host_environment(),
+        "settings": {
+            "quick": args.quick,
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "world_sizes": world_sizes,
+            "configs": configs,
+            "shape": args.shape,
+            "block_parameters": block_parameters(args.shape),
+            "limit": "RLIMIT_DATA (soft) in every worker, from engine construction to the last checkpoint",
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        },
+        "budget_bytes": args.budget_bytes,
+        "records": [],
+    }
+    scratch = Path(tempfile.mkdtemp(prefix="tango-fairscale-capacity-"))
+    searches: List[Search] = []
+
+    def save(current: Optional[Search] = None) -> None:
+        # After every trial, so that a run that is stopped keeps what it measured.
+        data["records"] = summarize(searches + ([current] if current else []), data["budget_bytes"] or 0)
+        data["elapsed_s"] = time.monotonic() - started
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=2))
+
+    def on_trial(search: Search, trial: Trial) -> None:
+        verdict = f"trains, peak {mib(trial.peak_vm_data_bytes)}" if trial.fits else f"fails: {trial.error}"
+        print(
+            f"  depth {trial.depth} ({trial.parameters / 1e6:.1f} M): {verdict} ({trial.wall_s:.0f} s)",
+            flush=True,
+        )
+        save(search)
+
+    try:
+        if args.budget_bytes is None:
+            print(
+                f"Calibrating: DDP, 2 workers, {args.calibrate_parameters / 1e6:g} M parameters, no limit ..."
+            )
+            calibration = calibrate(args, scratch)
+            args.budget_bytes = data["budget_bytes"] = calibration["budget_bytes"]
+            data["calibration"] = calibration
+            print(
+                f"  peak {mib(calibration['trial']['peak_vm_data_bytes'])} "
+                f"({calibration['trial']['wall_s']:.0f} s): budget {mib(args.budget_bytes)}",
+                flush=True,
+            )
+            calibrated = Search("ddp", 2, [Trial(**calibration["trial"])])
+            fallback = MemoryModel.learn(calibrated, args.shape, args.batch_size)
+        else:
+            fallback = None
+        if fallback is None:
+            # Without a calibration: a runtime of about 300 MiB, activations per block as estimated.
+            fallback = MemoryModel(300 * MIB, activation_bytes_per_block("ddp", args.shape, args.batch_size))
+        learned: Dict[str, MemoryModel] = {}
+        for world_size in world_sizes:
+            for name in configs:
+                print(f"{name} on {world_size} workers:", flush=True)
+                model = first_model(name, world_size, learned, fallback)
+                search = search_capacity(name, world_size, args, scratch, model, on_trial)
+                searches.append(search)
+                save()
+                found = MemoryModel.learn(search, args.shape, args.batch_size)
+                if found is not None:
+                    learned[name] = found
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    save()
+    print()
+    print(write_outputs(data, args))
+    print(f"\n{(time.monotonic() - started) / 60:.1f} minutes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
