@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-toy test lint clean
+.PHONY: install demo demo-toy test test-all lint clean
 
 # torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
 $(BIN)/python:
@@ -39,7 +39,14 @@ demo: install
 demo-toy: install
 	cd examples/toy && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/toy
 
+# `make test` leaves out two kinds of long end-to-end runs, which `make test-all` adds: the
+# memory-budget example (marked `capacity`: minutes under a per-worker memory limit) and the
+# two-host runs between network namespaces (marked `netns`: they need root; the same tests run
+# over loopback in `make test`).
 test: install
+	$(BIN)/python -m pytest -q -m "not capacity and not netns" $(PYTEST_ARGS)
+
+test-all: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: install
