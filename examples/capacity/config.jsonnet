@@ -1,4 +1,4 @@
-// A GPT-2 that does not fit in 1 GiB per worker under Tango's DDP engine, trained on the same two
+// A GPT-2 that does not fit in 1.4 GiB per worker under Tango's DDP engine, trained on the same two
 // CPU workers and the same budget with this plugin's FSDP. See README.md.
 //
 //   cd examples/capacity
@@ -14,19 +14,19 @@ local memory_limit = std.extVar("memory_limit");
 assert engine == "fsdp" || engine == "ddp" : "engine: 'fsdp' or 'ddp', got '%s'" % engine;
 
 local device_count = 2;
-// GPT-2 small's width and heads, 6 blocks: 42.8 M parameters.
+// GPT-2 small's width and heads, 9 blocks: 64.0 M parameters.
 local gpt2 = {
   type: "gpt2::from_config",
   vocab_size: 257,  // 256 byte values and an end-of-document token
-  n_positions: 64,
+  n_positions: 32,
   n_embd: 768,
-  n_layer: 6,
+  n_layer: 9,
   n_head: 12,
   dropout: 0.0,
 };
-local train_steps = 30;
-local validate_every = 10;
-local batch_size = 4;
+local train_steps = 12;
+local validate_every = 4;
+local batch_size = 2;
 
 local models = {
   // DDP: every worker holds the whole model, its gradients and AdamW's two moments.
@@ -73,7 +73,7 @@ local engines = {
         batch_size: batch_size * 2,
         sampler: { type: "torch::DistributedSampler", shuffle: false, drop_last: true },
       },
-      validation_steps: 4,
+      validation_steps: 2,
       train_steps: train_steps,
       validate_every: validate_every,
       checkpoint_every: train_steps,
@@ -82,6 +82,8 @@ local engines = {
       callbacks: [
         // Each validation loss, logged and appended to validation.jsonl in the work directory.
         { type: "gpt2::log_validation" },
+        // Each worker's limit and peak private memory, in capacity_worker<N>.json there.
+        { type: "benchmark::capacity_record" },
       ],
     },
   },
