@@ -6,7 +6,6 @@ budget.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,7 +227,6 @@ def run_example(workspace: Path, *ext_vars: str) -> "subprocess.CompletedProcess
     return subprocess.run(
         command,
         cwd=EXAMPLE_DIR,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
