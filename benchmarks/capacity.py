@@ -184,7 +184,11 @@ def failure_reason(output: str, returncode: int) -> Tuple[bool, str]:
         return True, what + where
     signalled = re.findall(SIGNALLED, output, flags=re.IGNORECASE)
     if signalled:
-        return True, f"a worker was killed by {signalled[-1]}"
+        # C++ code that aborts (std::terminate) says so first: keep its words.
+        aborted = re.findall(r"terminate called[^\n]*", output)
+        return True, f"a worker was killed by {signalled[-1]}" + (
+            f" ({aborted[-1].strip()})" if aborted else ""
+        )
     last = next((line.strip() for line in reversed(lines) if line.strip()), f"exit status {returncode}")
     return False, last[:200]
 

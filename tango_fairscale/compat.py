@@ -6,7 +6,8 @@ first checks the version of the library it patches and that every attribute it r
 there, and refuses with an error naming both otherwise:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
-  needs: the step patches (T1, T2), the checkpoint autocast fix (F5) and one warning filter.
+  needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6) and
+  one warning filter.
 - :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -36,6 +37,11 @@ F5. ``fairscale.nn.checkpoint.checkpoint_activations.is_autocast_enabled`` and `
     recomputation in backward ran without CPU bfloat16 autocast (a dtype error, or silently
     float32 gradients), and under CUDA bfloat16 autocast in float16 (facebookresearch/fairscale#1199,
     the same bug as pytorch/pytorch#71124 in torch's own checkpoint). Applies on every device.
+F6. ``FullyShardedDataParallel.forward`` first casts the root's float32 inputs to the unit's
+    ``compute_dtype`` when ``mixed_precision`` is on. FairScale casts them to float16 whatever the
+    ``compute_dtype`` (``cast_floats_to_right_precision`` knows only float16), so a bfloat16
+    ``compute_dtype`` without AMP (the default on CPU workers) failed in the first layer with
+    ``mat1 and mat2 must have the same dtype``. FairScale's own cast then finds nothing to do.
 T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for every step, to
     (a) add ``tango_fairscale`` to the modules Tango re-imports in its spawned workers
     (``tango.common.util.get_extra_imported_modules()``), so a plain ``import tango_fairscale``
@@ -192,6 +198,44 @@ def _install_checkpoint_autocast() -> None:
     checkpoint_activations.autocast = _restore_autocast  # type: ignore[assignment]
 
 
+# --- F6: the root's input cast under mixed precision ---------------------------------------------
+
+
+def _cast_root_inputs_to_compute_dtype(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def cast_then_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()  # decides _is_root; FairScale's forward calls it again, a no-op then
+        dtype = self.compute_dtype
+        if self._is_root and self.mixed_precision and dtype not in (torch.float16, torch.float32):
+            from fairscale.internal.containers import apply_to_tensors
+
+            def cast(tensor: torch.Tensor) -> torch.Tensor:
+                if tensor.dtype is not torch.float32:
+                    return tensor
+                cast_tensor = tensor.to(dtype)
+                if tensor.is_leaf:
+                    cast_tensor.requires_grad = tensor.requires_grad
+                return cast_tensor
+
+            # As FairScale's own cast: under no_grad, requires_grad kept on leaves.
+            with torch.no_grad():
+                args, kwargs = apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+        return forward(self, *args, **kwargs)
+
+    cast_then_forward.__tango_fairscale_patch__ = "F6"  # type: ignore[attr-defined]
+    return cast_then_forward
+
+
+def _install_root_input_cast() -> None:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    _require_attributes(FullyShardedDataParallel, ("forward", "_lazy_init"), "F6")
+    if getattr(FullyShardedDataParallel.forward, "__tango_fairscale_patch__", None) != "F6":
+        FullyShardedDataParallel.forward = _cast_root_inputs_to_compute_dtype(  # type: ignore[method-assign]
+            FullyShardedDataParallel.forward
+        )
+
+
 # --- T1, T2: Tango's torch::train step and its workers ----------------------------------------------
 
 PACKAGE = "tango_fairscale"
@@ -346,7 +390,7 @@ _installed = False
 
 
 def install() -> None:
-    """Install the patches every process needs (T1, T2, F5), once. Called by ``import tango_fairscale``."""
+    """Install the patches every process needs (T1, T2, F5, F6), once; ``import tango_fairscale`` calls it."""
     global _installed
     with _install_lock:
         if _installed:
@@ -354,6 +398,7 @@ def install() -> None:
         for distribution in CHECKED_VERSIONS:
             check_version(distribution)
         _install_checkpoint_autocast()
+        _install_root_input_cast()
         _wrap_train_step()
         _quiet_integration_search()
         _bound_spawn_grace()

@@ -80,6 +80,11 @@ you tried to allocate 9437184 bytes. Error code 12 (Cannot allocate memory)
         True,
         "a worker was killed by SIGKILL",
     )
+    aborted = "terminate called without an active exception\n... process 1 terminated with signal SIGABRT"
+    assert failure_reason(aborted, 1) == (
+        True,
+        "a worker was killed by SIGABRT (terminate called without an active exception)",
+    )
     assert failure_reason("ConfigurationError: bad config\n", 1) == (False, "ConfigurationError: bad config")
 
 

@@ -1,6 +1,9 @@
 """The CPU support changes FairScale's FSDP module only, and only while enabled."""
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
 from tango_fairscale import compat
@@ -136,3 +139,24 @@ def test_meta_registration_is_counted_across_threads() -> None:
     release.set()
     thread.join()
     assert nn.Module.register_parameter is original
+
+
+def test_mixed_precision_root_casts_inputs_to_its_compute_dtype() -> None:
+    """F6: a bfloat16 root unit without AMP gets bfloat16 inputs, not FairScale's float16."""
+    from tango_fairscale.config import FSDPConfig
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 3)
+        weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+        unit = FSDPConfig(mixed_precision=True, compute_dtype="bfloat16").wrap(layer)
+        inputs = torch.randn(5, 4, requires_grad=True)
+        output = unit(inputs)
+        assert output.dtype == torch.bfloat16
+        expected = F.linear(inputs.detach().bfloat16(), weight.bfloat16(), bias.bfloat16())
+        assert torch.equal(output.detach(), expected)
+    finally:
+        dist.destroy_process_group()
+        compat.disable_cpu_fsdp()
