@@ -39,12 +39,13 @@ demo: install
 demo-toy: install
 	cd examples/toy && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/toy
 
-# `make test` leaves out two kinds of long end-to-end runs, which `make test-all` adds: the
-# memory-budget example (marked `capacity`: minutes under a per-worker memory limit) and the
+# `make test` (what CI runs) leaves out three kinds of long end-to-end runs, which `make test-all`
+# adds: the memory-budget example (marked `capacity`: minutes under a per-worker memory limit), the
 # two-host runs between network namespaces (marked `netns`: they need root; the same tests run
-# over loopback in `make test`).
+# over loopback in `make test`), and further variants of tests that `make test` runs in one
+# variant (marked `extended`: e.g. resharding to 4 workers besides 3, every benchmark config).
 test: install
-	$(BIN)/python -m pytest -q -m "not capacity and not netns" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not capacity and not netns and not extended" $(PYTEST_ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

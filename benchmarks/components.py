@@ -1,6 +1,6 @@
 """
-Tango components for the benchmarks: random token data, a measuring callback, and
-PyTorch-native FSDP2 as a peer training engine. The model is the GPT-2 of
+Tango components for the benchmarks: random token data, a measuring callback, and the engines
+and callback of the capacity benchmark (a per-worker memory budget). The model is the GPT-2 of
 ``examples/train_gpt2`` (``"gpt2::from_config"``).
 """
 
@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 from tango import Step
-from tango.common import Lazy
 from tango.common.dataset_dict import DatasetDict
-from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
+from tango.integrations.torch import TorchTrainingEngine, TrainCallback, TrainingEngine
 
 from benchmarks.common import state_bytes
 from tango_fairscale.engine import FairScaleTrainingEngine
@@ -42,14 +40,28 @@ def _peak_rss_bytes() -> int:
 
 
 class _TimedCollectives(types.ModuleType):
-    """``torch.distributed`` as FairScale's modules see it, with its gathers and scatters timed."""
+    """
+    ``torch.distributed`` as FairScale's modules see it, with its gathers and scatters timed:
+    since the last :meth:`reset`, ``seconds_by_name`` and ``calls_by_name`` per function (each of
+    ``TIMED``), ``seconds`` in all of them together.
+    """
 
     TIMED = ("all_gather", "reduce_scatter")
 
     def __init__(self, inner: Any) -> None:
         super().__init__("torch.distributed")
         self.inner = inner
-        self.seconds = 0.0
+        self.seconds_by_name: Dict[str, float] = {}
+        self.calls_by_name: Dict[str, int] = {}
+        self.reset()
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seconds_by_name.values())
+
+    def reset(self) -> None:
+        self.seconds_by_name = dict.fromkeys(self.TIMED, 0.0)
+        self.calls_by_name = dict.fromkeys(self.TIMED, 0)
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.inner, name)
@@ -61,18 +73,23 @@ class _TimedCollectives(types.ModuleType):
             try:
                 return _call(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds_by_name[name] += time.perf_counter() - start
+                self.calls_by_name[name] += 1
 
         return timed
 
 
-def _time_fairscale_collectives() -> Optional[_TimedCollectives]:
+def _time_fairscale_collectives(engine: TrainingEngine) -> Optional[_TimedCollectives]:
     """
     Time FairScale's all-gathers and reduce-scatters on CPU workers, where they run
     synchronously (on GPUs they are asynchronous, so wall time around them means nothing).
+    Only the ``"fairscale"`` engine's FairScale backend: DDP and the PyTorch FSDP2 backend
+    (``backend: "torch"``) call other collectives, which are not timed.
     """
     from tango_fairscale import compat
 
+    if not isinstance(engine, FairScaleTrainingEngine) or engine.backend != "fairscale":
+        return None
     if not compat.cpu_fsdp_enabled():
         return None
     timed = _TimedCollectives(compat.current_collectives())
@@ -95,15 +112,21 @@ class Measure(TrainCallback):
         self.step_times: List[float] = []
         self.last_start: Optional[float] = None
         self.state: Dict[str, int] = {}
+        # Per optimizer step (one batch: all of its grad_accum micro-batches), in FairScale's
+        # collectives: the seconds in all of them, and the seconds and calls of each of
+        # _TimedCollectives.TIMED.
         self.collective_times: List[float] = []
+        self.collective_times_by_name: Dict[str, List[float]] = {name: [] for name in _TimedCollectives.TIMED}
+        self.collective_calls_by_name: Dict[str, List[int]] = {name: [] for name in _TimedCollectives.TIMED}
         self.collectives: Optional[_TimedCollectives] = None
 
     def pre_train_loop(self) -> None:
         # The high-water mark after building the model and the engine, before any step.
         self.setup_peak = _peak_rss_bytes()
-        self.collectives = _time_fairscale_collectives()
+        self.collectives = _time_fairscale_collectives(self.training_engine)
 
     def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        # Once per optimizer step: ``batch`` holds the step's grad_accum micro-batches.
         if step == 1:
             self.first_step_peak = _peak_rss_bytes()
         now = time.perf_counter()
@@ -111,15 +134,21 @@ class Measure(TrainCallback):
             self.step_times.append(now - self.last_start)
             if self.collectives is not None:
                 self.collective_times.append(self.collectives.seconds)
+                for name in _TimedCollectives.TIMED:
+                    self.collective_times_by_name[name].append(self.collectives.seconds_by_name[name])
+                    self.collective_calls_by_name[name].append(self.collectives.calls_by_name[name])
         self.last_start = now
         if self.collectives is not None:
-            self.collectives.seconds = 0.0
+            self.collectives.reset()
         if step > 0:  # after an optimizer step, all state exists
             self.state = state_bytes(self.training_engine)
 
+    def _median_after_warmup(self, values: List[float]) -> Optional[float]:
+        measured = values[self.warmup_steps :] or values
+        return statistics.median(measured) if measured else None
+
     def post_train_loop(self, step: int, epoch: int) -> None:
-        measured = self.step_times[self.warmup_steps :] or self.step_times
-        collectives = self.collective_times[self.warmup_steps :] or self.collective_times
+        by_name = self.collective_times_by_name
         record = {
             "worker": self.train_config.worker_id,
             "world_size": self.train_config.world_size,
@@ -128,10 +157,15 @@ class Measure(TrainCallback):
             "peak_rss_bytes": _peak_rss_bytes(),
             "peak_rss_after_setup_bytes": getattr(self, "setup_peak", None),
             "peak_rss_after_first_step_bytes": getattr(self, "first_step_peak", None),
-            "step_time_s": statistics.median(measured) if measured else None,
+            "step_time_s": self._median_after_warmup(self.step_times),
             "step_times_s": self.step_times,
-            # Seconds per step spent in FairScale's all-gathers and reduce-scatters (CPU only).
-            "collectives_time_s": statistics.median(collectives) if collectives else None,
+            # Seconds per optimizer step spent in FairScale's all-gathers and reduce-scatters
+            # (CPU workers, FairScale backend only; None otherwise): together, then each.
+            "collectives_time_s": self._median_after_warmup(self.collective_times),
+            "all_gather_time_s": self._median_after_warmup(by_name["all_gather"]),
+            "reduce_scatter_time_s": self._median_after_warmup(by_name["reduce_scatter"]),
+            # The calls of each, step by step (warm-up included; empty where not timed).
+            "collective_calls_per_step": self.collective_calls_by_name,
             "parameters": sum(
                 getattr(p, "_local_tensor", p).numel() for p in self.training_engine.model.parameters()
             ),
@@ -140,49 +174,6 @@ class Measure(TrainCallback):
             record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
         path = Path(self.train_config.work_dir) / f"benchmark_worker{self.train_config.worker_id}.json"
         path.write_text(json.dumps(record))
-
-
-@TrainingEngine.register("benchmark::fsdp2")
-class FSDP2TrainingEngine(TorchTrainingEngine):
-    """
-    PyTorch-native FSDP2 (``torch.distributed.fsdp.fully_shard``) as a Tango engine, for the
-    benchmarks only: each module whose class is in ``wrap_module_classes`` is its own unit,
-    then the root. Checkpoints keep only the trainer state (benchmarks never resume).
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        wrap_module_classes: Optional[List[str]] = None,
-        reshard_after_forward: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        self.wrap_module_classes = set(wrap_module_classes or [])
-        self.reshard_after_forward = reshard_after_forward
-        super().__init__(*args, **kwargs)
-
-    def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        if isinstance(model, Lazy):
-            model = model.construct()
-        device = self.train_config.worker_local_default_device
-        model.to(device)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for module in model.modules():
-            if type(module).__name__ in self.wrap_module_classes:
-                fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        return model
-
-    def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(client_state, checkpoint_dir / f"worker{self.train_config.worker_id}_trainer.pt")
-        dist.barrier()
-
-    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
-        torch.save({}, weights_path)
 
 
 # Per-worker memory budgets: benchmarks/capacity.py and examples/capacity.
@@ -327,20 +318,6 @@ class LimitedTorchTrainingEngine(TorchTrainingEngine):
 @TrainingEngine.register("benchmark::fairscale_limited")
 class LimitedFairScaleTrainingEngine(FairScaleTrainingEngine):
     """This plugin's ``"fairscale"`` engine under a per-worker ``memory_limit``, as above."""
-
-    def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
-        limit_worker_memory(memory_limit)
-        super().__init__(*args, **kwargs)
-
-    def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
-        _limited_save_complete_weights(
-            self, super().save_complete_weights_from_checkpoint, checkpoint_dir, weights_path
-        )
-
-
-@TrainingEngine.register("benchmark::fsdp2_limited")
-class LimitedFSDP2TrainingEngine(FSDP2TrainingEngine):
-    """The benchmark-only FSDP2 engine (``"benchmark::fsdp2"``) under a per-worker ``memory_limit``."""
 
     def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
         limit_worker_memory(memory_limit)

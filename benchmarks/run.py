@@ -1,6 +1,7 @@
 """
-Memory and speed of Tango's DDP engine, this plugin's FSDP configurations and PyTorch-native
-FSDP2, trained side by side through real ``tango run`` commands on the same model and data.
+Memory and speed of Tango's DDP engine and this plugin's FSDP configurations (FairScale, and
+PyTorch-native FSDP2 through the engine's ``backend: "torch"``), trained side by side through real
+``tango run`` commands on the same model and data.
 
     python benchmarks/run.py [--quick] [--world-sizes 2,4] [--json PATH] [--markdown PATH] [--chart PATH]
 
@@ -8,7 +9,8 @@ FSDP2, trained side by side through real ``tango run`` commands on the same mode
 model each configuration trains within a per-worker memory budget.
 
 Per worker it records model-state bytes (parameters, gradients and optimizer state held after a
-step, counted tensor by tensor), peak resident memory, and the median step time after warm-up.
+step, counted tensor by tensor), peak resident memory, the median step time after warm-up and,
+for the FairScale backend, the time per step in its all-gathers and reduce-scatters.
 Ratios to DDP at the same world size are the headline: absolute times depend on the machine.
 """
 
@@ -22,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 TANGO = str(Path(sys.executable).with_name("tango"))
@@ -40,30 +42,80 @@ MODELS = {
 }
 BLOCK = "GPT2Block"
 
-#: name -> (engine, engine options, wrapper options or None for the plain model)
-CONFIGS: Dict[str, Any] = {
-    "ddp": ("torch", {}, None),
-    "fsdp": ("fairscale", {"init_on_meta": True}, {"fsdp_config": {}}),
-    "fsdp_eager_init": ("fairscale", {}, {"fsdp_config": {}}),
-    "fsdp_no_reshard": (
-        "fairscale",
-        {"init_on_meta": True, "fsdp_config": {"reshard_after_forward": False}},
-        {"fsdp_config": {"reshard_after_forward": False}},
+#: Micro-batches per optimizer step in the gradient-accumulation configurations (``*_accum*``).
+GRAD_ACCUM = 4
+
+
+class Config(NamedTuple):
+    """One configuration: a ``torch::train`` step's engine, model wrapper and own options."""
+
+    #: The ``training_engine`` type.
+    engine: str
+    #: The ``training_engine`` options besides the optimizer.
+    engine_options: Dict[str, Any]
+    #: ``"fairscale::with_wrapped_modules"`` options (one unit per ``GPT2Block``), or None for
+    #: the plain model.
+    wrapper: Optional[Dict[str, Any]]
+    #: Options of the ``torch::train`` step itself, e.g. ``grad_accum``.
+    step_options: Dict[str, Any] = {}
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.step_options.get("grad_accum", 1))
+
+    @property
+    def times_collectives(self) -> bool:
+        """Whether its collectives are timed: the ``"fairscale"`` engine's FairScale backend only."""
+        return self.engine == "fairscale" and self.engine_options.get("backend", "fairscale") == "fairscale"
+
+
+NO_RESHARD = {"fsdp_config": {"reshard_after_forward": False}}
+
+CONFIGS: Dict[str, Config] = {
+    "ddp": Config("torch", {}, None),
+    "fsdp": Config("fairscale", {"init_on_meta": True}, {"fsdp_config": {}}),
+    "fsdp_eager_init": Config("fairscale", {}, {"fsdp_config": {}}),
+    "fsdp_no_reshard": Config("fairscale", {"init_on_meta": True, **NO_RESHARD}, NO_RESHARD),
+    "fsdp_ckpt": Config(
+        "fairscale", {"init_on_meta": True}, {"fsdp_config": {}, "activation_checkpointing": True}
     ),
-    "fsdp_ckpt": ("fairscale", {"init_on_meta": True}, {"fsdp_config": {}, "activation_checkpointing": True}),
-    "fsdp_offload": (
+    "fsdp_offload": Config(
         "fairscale",
         {"init_on_meta": True, "fsdp_config": {"move_params_to_cpu": True}},
         {"fsdp_config": {"move_params_to_cpu": True}},
     ),
-    "fsdp2": ("benchmark::fsdp2", {"wrap_module_classes": [BLOCK]}, None),
+    # PyTorch FSDP2 (fully_shard) through the engine's torch backend, with the same wrap plan.
+    "fsdp2": Config("fairscale", {"backend": "torch", "init_on_meta": True}, {"fsdp_config": {}}),
+    "fsdp2_eager_init": Config("fairscale", {"backend": "torch"}, {"fsdp_config": {}}),
+    # Gradient accumulation over GRAD_ACCUM micro-batches per optimizer step: a reduce-scatter
+    # per micro-batch, or (accumulate_grads_locally) only after the last one.
+    "fsdp_accum": Config(
+        "fairscale",
+        {"init_on_meta": True, "accumulate_grads_locally": False},
+        {"fsdp_config": {}},
+        {"grad_accum": GRAD_ACCUM},
+    ),
+    "fsdp_accum_local": Config(
+        "fairscale",
+        {"init_on_meta": True, "accumulate_grads_locally": True},
+        {"fsdp_config": {}},
+        {"grad_accum": GRAD_ACCUM},
+    ),
+    # ... and the gathered parameters kept across the micro-batches of a step.
+    "fsdp_accum_local_no_reshard": Config(
+        "fairscale",
+        {"init_on_meta": True, "accumulate_grads_locally": True, **NO_RESHARD},
+        NO_RESHARD,
+        {"grad_accum": GRAD_ACCUM},
+    ),
 }
 
 
 def experiment(
     name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int
 ) -> Dict[str, Any]:
-    engine_type, engine_options, wrapper = CONFIGS[name]
+    engine_type, engine_options, wrapper, step_options = CONFIGS[name]
+    grad_accum = CONFIGS[name].grad_accum
     model_config: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, **model}
     if wrapper is not None:
         model_config = {
@@ -86,7 +138,8 @@ def experiment(
                 "type": "benchmark::random_tokens",
                 "vocab_size": model["vocab_size"],
                 "sequence_length": model["n_positions"],
-                "count": batch_size * world_size * steps * 2,
+                # Twice what the steps take (each step takes grad_accum batches per worker).
+                "count": batch_size * world_size * steps * grad_accum * 2,
             },
             "train": {
                 "type": "torch::train",
@@ -104,6 +157,7 @@ def experiment(
                 "device_count": world_size,
                 "distributed_port": free_port(),
                 "callbacks": [{"type": "benchmark::measure", "warmup_steps": warmup}],
+                **step_options,
             },
         }
     }
@@ -160,29 +214,37 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         "state_bytes_per_worker": max(w["state_bytes_total"] for w in workers),
         "peak_rss_bytes_per_worker": max(w["peak_rss_bytes"] for w in workers),
         "step_time_s": max(w["step_time_s"] for w in workers),
-        "collectives_time_s": max(
-            (w["collectives_time_s"] for w in workers if w.get("collectives_time_s") is not None),
-            default=None,
-        ),
+        **{key: slowest(workers, key) for key in COLLECTIVES},
         "wall_time_s": wall,
         "workers": workers,
     }
 
 
+#: Seconds per optimizer step in FairScale's collectives (None where they are not timed): all of
+#: them, its all-gathers, its reduce-scatters.
+COLLECTIVES = ("collectives_time_s", "all_gather_time_s", "reduce_scatter_time_s")
+
+
+def slowest(workers: List[Dict[str, Any]], key: str) -> Optional[float]:
+    """The largest of the workers' figures, None where no worker has one."""
+    return max((w[key] for w in workers if w.get(key) is not None), default=None)
+
+
 def combine(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """
-    One record from repeated runs of a configuration: the median step time (and time in
+    One record from repeated runs of a configuration: the median step time (and times in
     collectives) over the runs, the largest memory figures, and each run's figures under "runs".
     """
     record = dict(runs[0])
     record["step_time_s"] = statistics.median(r["step_time_s"] for r in runs)
-    collectives = [r["collectives_time_s"] for r in runs if r["collectives_time_s"] is not None]
-    record["collectives_time_s"] = statistics.median(collectives) if collectives else None
+    for key in COLLECTIVES:
+        measured = [r[key] for r in runs if r.get(key) is not None]
+        record[key] = statistics.median(measured) if measured else None
     record["state_bytes_per_worker"] = max(r["state_bytes_per_worker"] for r in runs)
     record["peak_rss_bytes_per_worker"] = max(r["peak_rss_bytes_per_worker"] for r in runs)
     record["wall_time_s"] = sum(r["wall_time_s"] for r in runs)
-    kept = ("step_time_s", "collectives_time_s", "peak_rss_bytes_per_worker", "wall_time_s")
-    record["runs"] = [{key: r[key] for key in kept} for r in runs]
+    kept = ("step_time_s", *COLLECTIVES, "peak_rss_bytes_per_worker", "wall_time_s")
+    record["runs"] = [{key: r.get(key) for key in kept} for r in runs]
     return record
 
 
@@ -211,6 +273,12 @@ def ratio(record: Dict[str, Any], key: str) -> str:
     return f"{record[key]:.3f}" if key in record else "-"
 
 
+def seconds(record: Dict[str, Any], key: str) -> str:
+    """A time for the table, or a dash where it was not measured."""
+    value = record.get(key)
+    return f"{value:.3f} s" if value is not None else "-"
+
+
 def markdown(
     records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int
 ) -> str:
@@ -229,8 +297,15 @@ def markdown(
         + ". Every configuration "
         'ran in the same session on the same machine; ratios are to DDP (Tango\'s `"torch"` engine) at '
         "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`). "
-        '"In collectives" is the time per step spent in FairScale\'s all-gathers and reduce-scatters '
-        "(the slowest worker's median), waiting for the other workers included.",
+        '"In collectives" is the time per optimizer step spent in FairScale\'s all-gathers and '
+        'reduce-scatters, "all-gather" and "reduce-scatter" its two parts (each the slowest '
+        "worker's median), waiting for the other workers included; they are measured for the "
+        'FairScale backend only ("-" for DDP and for FSDP2, the engine\'s `backend: "torch"`). '
+        f"The `*_accum*` configurations accumulate gradients over {GRAD_ACCUM} micro-batches of the "
+        "same batch size per optimizer step (`grad_accum`), so their step and collective times cover "
+        f"{GRAD_ACCUM} micro-batches: compare them with each other. `fsdp_accum` reduce-scatters "
+        "after every micro-batch, the `fsdp_accum_local*` ones (`accumulate_grads_locally`) after the "
+        "last one only.",
         "",
         "| | |",
         "|---|---|",
@@ -251,17 +326,17 @@ def markdown(
         + "`",
         "",
         "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP "
-        "| step time | x DDP | x FSDP2 | in collectives |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step time | x DDP | x FSDP2 | in collectives | all-gather | reduce-scatter |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
-        collectives = r.get("collectives_time_s")
         lines.append(
             f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} "
             f"| {ratio(r, 'state_vs_ddp')} | {mib(r['peak_rss_bytes_per_worker'])} "
             f"| {ratio(r, 'rss_vs_ddp')} | {r['step_time_s']:.3f} s "
             f"| {ratio(r, 'time_vs_ddp')} | {ratio(r, 'time_vs_fsdp2')} "
-            f"| {f'{collectives:.3f} s' if collectives is not None else '-'} |"
+            f"| {seconds(r, 'collectives_time_s')} | {seconds(r, 'all_gather_time_s')} "
+            f"| {seconds(r, 'reduce_scatter_time_s')} |"
         )
     lines += [
         "",

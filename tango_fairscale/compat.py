@@ -66,7 +66,10 @@ T2. ``tango.integrations.torch.train._train``, the worker function Tango's ``_tr
     a worker blocked in a collective does not see), and in a launch across hosts (T1 (d)) the
     worker's spawn index becomes its global rank and its ``TrainConfig`` the global one (world
     size, store address, devices indexed per host, each host's first worker its
-    ``is_local_main_process``). A module-level function, so that ``mp.spawn`` pickles it by name.
+    ``is_local_main_process``). A worker that finished training destroys its process group
+    before it exits: left to interpreter shutdown, gloo's threads were now and then torn down
+    unjoined and the worker aborted (SIGABRT), failing a run that had trained. A module-level
+    function, so that ``mp.spawn`` pickles it by name.
 T3. ``tango.common.registrable.import_module_and_submodules``, as Tango's registry search for an
     unregistered type name calls it: an integration failing on an absent third-party package
     (``datasets`` for the ``transformers`` integration) counts as a missing integration, as
@@ -366,7 +369,8 @@ def _train_worker(process_index: int, workspace: Any, config: Any, *args: Any, *
     T2: Tango's worker function (``tango.integrations.torch.train._train``), which ``mp.spawn``
     runs with the index of the process on this host. Distributed workers die with the process that
     spawned them. In a launch across hosts the index becomes the global rank, and the worker's
-    ``TrainConfig`` the global one (:func:`tango_fairscale.launch.worker_train_config`).
+    ``TrainConfig`` the global one (:func:`tango_fairscale.launch.worker_train_config`). A worker
+    that finished destroys its process group before it exits.
     """
     from . import launch as launching
 
@@ -379,10 +383,18 @@ def _train_worker(process_index: int, workspace: Any, config: Any, *args: Any, *
     if getattr(config, "is_distributed", False):
         launching.die_with_parent()
     if world is None or not getattr(config, "is_distributed", False):
-        return original(process_index, workspace, config, *args, **kwargs)
-    os.environ.update(launching.worker_environment(world, process_index))
-    host_config = launching.worker_train_config(config, world)
-    return original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
+        result = original(process_index, workspace, config, *args, **kwargs)
+    else:
+        os.environ.update(launching.worker_environment(world, process_index))
+        host_config = launching.worker_train_config(config, world)
+        result = original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
+    # Tango leaves the process group to interpreter shutdown, where gloo's threads could be torn
+    # down unjoined: a worker that had finished training aborted ("terminate called without an
+    # active exception", SIGABRT) and failed the run, now and then. Not collective: each worker
+    # closes its own end.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 
 _install_lock = threading.Lock()

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from . import checkpointing
-from .errors import CheckpointError
+from .checkpointing.formats import is_torch_checkpoint
 
 
 def consolidate(
@@ -23,19 +23,15 @@ def consolidate(
     name. Every file is checked against the marker before it is read. ``progress`` is called once
     per file read.
     """
-    from .backends.torch_fsdp_checkpoint import consolidate_dcp, is_torch_checkpoint
+    from .backends.torch_fsdp_checkpoint import consolidate_dcp
 
     marker = checkpointing.require_complete(checkpoint_dir)
     if is_torch_checkpoint(marker):
-        if with_optimizer:
-            raise CheckpointError(
-                f"{checkpoint_dir} was written by the torch backend: consolidating its optimizer state is "
-                "not supported; consolidate the model alone."
-            )
-        model = consolidate_dcp(checkpoint_dir)
+        # DCP reads every worker's file in one call.
+        result = consolidate_dcp(checkpoint_dir, with_optimizer=with_optimizer)
         if progress is not None:
             progress()
-        return model
+        return result
     kinds = ["model", "optimizer"] if with_optimizer else ["model"]
     loaded: Dict[str, Any] = {kind: [] for kind in kinds}
     for kind in kinds:
@@ -55,8 +51,6 @@ def consolidate(
 
 def files_to_read(marker: Dict[str, Any], with_optimizer: bool) -> int:
     """How many calls of ``progress`` :func:`consolidate` will make."""
-    from .backends.torch_fsdp_checkpoint import is_torch_checkpoint
-
     if is_torch_checkpoint(marker):
         return 1
     return marker["world_size"] * (2 if with_optimizer else 1)

@@ -5,7 +5,7 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -24,8 +24,9 @@ from tango.integrations.torch import (
     TrainConfig,
 )
 
-from . import checkpointing, multihost
+from . import checkpointing, consolidation, multihost
 from .checkpointing import random_state
+from .checkpointing.formats import check_written_by
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
@@ -33,6 +34,7 @@ from .launch import HostWorld
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
 from .options import amp_dtype, check_engine_options
 from .registry import register_training_engine
+from .wrapping import WrapPlan, deferred_wrapping, recorded_plan
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,20 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         wait for one that hangs, or a host that disappears without closing them. Raise it when
         one worker legitimately does something much longer than the others between two
         collectives (e.g. writing a very large checkpoint to a slow disk).
+    :param backend:
+        The FSDP implementation: ``"fairscale"`` (default, FairScale's FSDP with flat per-unit
+        shards) or ``"torch"`` (PyTorch's own FSDP2, :func:`torch.distributed.fsdp.fully_shard`,
+        each parameter a sharded DTensor, checkpoints through ``torch.distributed.checkpoint``).
+        The same ``fsdp_config`` and ``with_wrapped_modules`` options select and configure the
+        units; a field the torch backend cannot honour is refused, naming it. A checkpoint is
+        resumed by the backend that wrote it. See ``docs/torch-backend.md``.
+    :param accumulate_grads_locally:
+        With ``grad_accum`` > 1 in the step: keep the gradients of every micro-batch but the last
+        of an optimizer step on the worker (FSDP's ``no_sync``) and reduce-scatter once per step,
+        instead of once per micro-batch: 1/``grad_accum`` of the gradient traffic. Costs memory:
+        until the last micro-batch each worker holds full-size (unsharded) gradients of the whole
+        model, as DDP does, instead of its shard of them. The result is the same up to the order
+        of floating-point summation.
     :param verify_checkpoints:
         Check the SHA-256 of every checkpoint file against the marker before resuming from it
         (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
@@ -115,6 +131,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         init_on_meta: bool = False,
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
         verify_checkpoints: bool = True,
+        backend: str = "fairscale",
+        accumulate_grads_locally: bool = False,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.fsdp_config = fsdp_config or FSDPConfig()
@@ -126,9 +144,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             amp_use_bfloat16=amp_use_bfloat16,
             max_grad_norm=max_grad_norm,
             fsdp_config=self.fsdp_config,
+            backend=backend,
+            accumulate_grads_locally=accumulate_grads_locally,
             # Once per run, not once per worker.
             warn=train_config.worker_id == 0,
         )
+        self.backend = backend
+        self.accumulate_grads_locally = accumulate_grads_locally
+        #: Whether the backward pass of the current micro-batch reduces the gradients.
+        self._sync_gradients = True
         self.init_on_meta = init_on_meta
         if not isinstance(verify_checkpoints, bool):
             raise ConfigurationError(
@@ -139,6 +163,11 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
         self.hosts = HostWorld.from_environment(os.environ) if train_config.is_distributed else None
+        if self.hosts is not None and backend == "torch":
+            raise ConfigurationError(
+                'training_engine.backend: "torch" does not train across hosts yet (its checkpoints assume '
+                'one work directory); use backend: "fairscale" for a launch across hosts.'
+            )
         if on_cpu:
             limit_cpu_heap_growth()
         if train_config.is_distributed:
@@ -158,7 +187,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.amp = amp
         self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
-        self.grad_scaler = ShardedGradScaler() if amp and self.amp_dtype == torch.float16 else None
+        self.grad_scaler: Any = None
+        if amp and backend == "torch":
+            from .backends.torch_fsdp import make_grad_scaler
+
+            self.grad_scaler = make_grad_scaler(self.amp_dtype, "cpu" if on_cpu else "cuda")
+        elif amp and self.amp_dtype == torch.float16:
+            self.grad_scaler = ShardedGradScaler()
         has_own_checkpoint = (
             self._agree_on_own_checkpoint() if self.hosts is not None else self._find_own_checkpoint()
         )
@@ -265,6 +300,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     def forward_train(
         self, micro_batch: Dict[str, Any], micro_batch_idx: int, num_micro_batches: int
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        # Tango calls backward() right after, with the loss only: decide here for it.
+        self._sync_gradients = not self.accumulate_grads_locally or micro_batch_idx == num_micro_batches - 1
         try:
             return super().forward_train(micro_batch, micro_batch_idx, num_micro_batches)
         except KeyError as error:
@@ -275,12 +312,29 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 'a dict with the training loss under "loss" (a scalar tensor).'
             ) from None
 
+    def backward(self, loss: torch.Tensor) -> None:
+        with ExitStack() as stack:
+            if not self._sync_gradients:
+                # Both backends read the flag in their post-backward hooks only, so it is enough
+                # to hold it over backward; the first backward outside reduces the sum.
+                stack.enter_context(self._no_sync())
+            super().backward(loss)
+
+    def _no_sync(self) -> Any:
+        if self.backend == "torch":
+            from .backends.torch_fsdp import no_sync
+
+            return no_sync(self.model)
+        return self.model.no_sync()  # type: ignore[operator]
+
     @property
     def computes_on_cpu(self) -> bool:
         """Whether the FSDP units of this engine compute on CPU workers."""
         return worker_computes_on_cpu()
 
     def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
+        if self.backend == "torch":
+            return self._construct_torch_model(model)
         if isinstance(model, Lazy):
             if self.init_on_meta:
                 with parameters_on_meta():
@@ -305,8 +359,36 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.module_aliases = checkpointing.module_aliases(model)
         return self.fsdp_config.wrap(model)  # type: ignore[return-value]
 
+    def _construct_torch_model(self, model: Union[Model, Lazy[Model]]) -> Model:
+        """The torch backend: build the model with its wrap plan recorded, then shard it by the plan."""
+        from .backends.torch_fsdp import make_mesh, shard_model
+
+        if isinstance(model, Lazy):
+            with deferred_wrapping(), parameters_on_meta() if self.init_on_meta else nullcontext():
+                model = model.construct()
+        elif any(isinstance(module, FSDP) for module in model.modules()):
+            raise ConfigurationError(
+                'training_engine.backend: "torch" got a model with FairScale FSDP units already in it: pass '
+                "the model to the engine unconstructed (as a config does), so that with_wrapped_modules "
+                'leaves its units to the torch backend, or use backend: "fairscale".'
+            )
+        if not any(True for _ in model.parameters()):
+            raise ConfigurationError(
+                f"The model ({type(model).__name__}) has no parameters: there is nothing to shard or train."
+            )
+        plan, unit_config = recorded_plan(model)
+        if plan is None:  # not built by with_wrapped_modules: FSDP on the root only
+            plan = WrapPlan(selected=(), checkpointed=frozenset(), fsdp=False)
+        mesh = make_mesh(self.train_config.world_size)
+        return shard_model(model, plan, unit_config, self.fsdp_config, mesh)  # type: ignore[return-value]
+
     def clip_grad_norm(self) -> None:
         if self.max_grad_norm is None:
+            return
+        if self.backend == "torch":
+            from .backends.torch_fsdp import clip_grad_norm_
+
+            clip_grad_norm_(self.model, self.max_grad_norm)
             return
         if not self.computes_on_cpu:
             self.model.clip_grad_norm_(self.max_grad_norm)  # type: ignore[operator]
@@ -337,7 +419,19 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         names = {id(p): checkpointing.clean_parameter_name(n) for n, p in self.model.named_parameters()}
         return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
 
+    def _replicated_states(self) -> Dict[str, Any]:
+        """The LR scheduler's and loss scaler's states, the same on every worker (when present)."""
+        states: Dict[str, Any] = {}
+        if self.lr_scheduler is not None:
+            states["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.grad_scaler is not None:
+            states["grad_scaler"] = self.grad_scaler.state_dict()
+        return states
+
     def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
+        if self.backend == "torch":
+            self._save_torch_checkpoint(Path(checkpoint_dir), client_state)
+            return
         checkpoint_dir = Path(checkpoint_dir)
         worker = self.train_config.worker_id
         # The worker that maintains this host's directory: worker 0 on one host, each host's
@@ -357,11 +451,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             },
             "optimizer": self.optimizer.state_dict(),
             "trainer": client_state,
+            **self._replicated_states(),
         }
-        if self.lr_scheduler is not None:
-            states["lr_scheduler"] = self.lr_scheduler.state_dict()
-        if self.grad_scaler is not None:
-            states["grad_scaler"] = self.grad_scaler.state_dict()
         # So that a resumed run draws the dropout masks an uninterrupted one would.
         states["random_state"] = random_state.capture()
         step = client_state.get("training_steps")
@@ -392,6 +483,27 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         # checkpoints): so the hosts always have a newest checkpoint in common.
         dist.barrier()
 
+    def _save_torch_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
+        """The torch backend: model and optimizer shards through DCP, the rest per worker, then the marker."""
+        from .backends.torch_fsdp_checkpoint import save_sharded
+
+        extra_states = {
+            "trainer": client_state,
+            **self._replicated_states(),
+            "random_state": random_state.capture(),
+        }
+        fields = save_sharded(
+            checkpoint_dir,
+            self.model,
+            self.optimizer,
+            extra_states,
+            step=client_state.get("training_steps"),
+        )
+        # save_sharded gathered every worker's digests, so every file is on disk.
+        if self.train_config.worker_id == 0:
+            checkpointing.write_marker(checkpoint_dir, world_size=fields["world_size"], extra=fields)
+        dist.barrier()
+
     def _write_state(self, name: str, state: Any, path: Path, step: Optional[int]) -> Dict[str, Any]:
         """
         Write one of this worker's checkpoint files (``name`` is ``"model"``, ``"optimizer"``, ...),
@@ -406,6 +518,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         )
 
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
+        if self.backend == "torch":
+            return self._load_torch_checkpoint(Path(checkpoint_dir).resolve())
         checkpoint_dir = Path(checkpoint_dir).resolve()
         marker = self._loadable_marker(checkpoint_dir)
         saved_world_size = marker["world_size"]
@@ -489,13 +603,31 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                     model_shards, optimizer_shards, local_weights, self._optimizer_keys(), worker
                 )
             )
+        return self._restore_the_rest(
+            checkpoint_dir,
+            components,
+            saved_random_state,
+            trainer_state,
+            resharded=saved_world_size != world_size,
+        )
+
+    def _restore_the_rest(
+        self,
+        checkpoint_dir: Path,
+        components: Dict[str, Any],
+        saved_random_state: Optional[Dict[str, Any]],
+        trainer_state: Dict[str, Any],
+        *,
+        resharded: bool,
+    ) -> Dict[str, Any]:
+        """After the model and optimizer: scheduler, loss scaler, random state. Returns the trainer state."""
         for name, component, fresh in (
             ("lr_scheduler", self.lr_scheduler, "the learning-rate schedule starts from its first step"),
             ("grad_scaler", self.grad_scaler, "the loss scale starts from its initial value"),
         ):
             if component is None:
                 continue
-            saved_state = components[name]
+            saved_state = components.get(name)
             if saved_state is None:
                 # A checkpoint of a run configured without it (resume_from_checkpoint); the
                 # marker guarantees that any file the saving run wrote is there.
@@ -505,12 +637,30 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         # Restored right before the training loop (RestoreRandomState): see there for why. On
         # another number of workers the saved generators do not map onto the new workers, which
         # keep the states seeded from the step's seed.
-        self.loaded_random_state = saved_random_state
-        if saved_random_state is None and saved_world_size != world_size:
+        self.loaded_random_state = None if resharded else saved_random_state
+        if resharded:
             logger.info("Resharded resume: random generators continue from the seed, not the saved states")
         if self.train_config.work_dir.resolve() not in checkpoint_dir.parents:
             trainer_state = self._trainer_state_from_another_run(trainer_state)
         return trainer_state
+
+    def _load_torch_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
+        """The torch backend: DCP reads each worker's part of the saved shards, for any number of workers."""
+        from .backends.torch_fsdp_checkpoint import load_sharded
+
+        marker = checkpointing.require_complete(checkpoint_dir)
+        states = load_sharded(checkpoint_dir, self.model, self.optimizer, hashes=self.verify_checkpoints)
+        resharded = marker["world_size"] != self.train_config.world_size
+        if resharded:
+            logger.info(
+                "Resharding checkpoint %s from %d to %d workers",
+                checkpoint_dir,
+                marker["world_size"],
+                self.train_config.world_size,
+            )
+        return self._restore_the_rest(
+            checkpoint_dir, states, states.get("random_state"), states["trainer"], resharded=resharded
+        )
 
     def _check_same_optimizer(self, saved: Dict[str, Any], checkpoint_dir: Path) -> None:
         """A checkpoint of another optimizer (type or options) would fail deep in PyTorch with a KeyError."""
@@ -531,6 +681,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         a worker reads when nothing is resharded.
         """
         marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
+        if marker is not None:
+            check_written_by(checkpoint_dir, marker, "fairscale")
         across_hosts = self.hosts is not None
         if across_hosts and marker is not None and marker["world_size"] == self.train_config.world_size:
             names = checkpointing.saved_file_names(marker)
@@ -569,10 +721,11 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
             shards = multihost.gather_model_shards(checkpoint_dir, self.hosts)
+            full_state = checkpointing.consolidate_model_state(shards)
+            del shards
         else:
-            shards = checkpointing.load_model_shards(checkpoint_dir)
-        full_state = checkpointing.consolidate_model_state(shards)
-        del shards
+            # Either backend's format, told apart by the marker.
+            full_state = consolidation.consolidate(checkpoint_dir)
         checkpointing.atomic_save(full_state, Path(weights_path))
 
 

@@ -61,6 +61,7 @@ def check_engine_options(
     max_grad_norm: Any = None,
     fsdp_config: Optional[FSDPConfig] = None,
     backend: Any = "fairscale",
+    accumulate_grads_locally: Any = False,
     warn: bool = True,
 ) -> None:
     """
@@ -69,7 +70,11 @@ def check_engine_options(
     """
     check_distributed(distributed, device_count)
     check_backend(backend, fsdp_config)
-    for name, value in (("amp", amp), ("amp_use_bfloat16", amp_use_bfloat16)):
+    for name, value in (
+        ("amp", amp),
+        ("amp_use_bfloat16", amp_use_bfloat16),
+        ("accumulate_grads_locally", accumulate_grads_locally),
+    ):
         if value is not None and not isinstance(value, bool):
             raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")
     if max_grad_norm is not None and (

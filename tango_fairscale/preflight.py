@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from . import checkpointing
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .options import check_backend, check_engine_options
+from .options import BACKENDS, check_backend, check_engine_options
 from .wrapping import WRAPPER_TYPE, check_list_option
 
 logger = logging.getLogger(__name__)
@@ -71,14 +71,20 @@ def check_engine(
         max_grad_norm=engine.get("max_grad_norm"),
         fsdp_config=fsdp_config,
         backend=engine.get("backend", "fairscale"),
+        accumulate_grads_locally=engine.get("accumulate_grads_locally", False),
         warn=False,
     )
     source = engine.get("resume_from_checkpoint")
     # A step with its own checkpoint resumes from that and ignores the source.
     has_own = work_dir is not None and (work_dir / "checkpoint_state_latest").exists()
     if source is not None and not has_own:
+        from .checkpointing.formats import check_written_by
+
         try:
-            checkpointing.resolve_checkpoint(Path(str(source)))
+            resolved = checkpointing.resolve_checkpoint(Path(str(source)))
+            marker = checkpointing.read_marker(resolved)
+            if marker is not None and engine.get("backend", "fairscale") in BACKENDS:
+                check_written_by(resolved, marker, engine.get("backend", "fairscale"))
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"training_engine.resume_from_checkpoint: {error}") from None
     return fsdp_config
@@ -291,6 +297,13 @@ def _preflight(
     world_size = len(devices)
     check_counts(step_options)
     fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices))
+    if engine.get("accumulate_grads_locally") is True and step_options.get("grad_accum", 1) == 1:
+        warnings.warn(
+            "training_engine.accumulate_grads_locally has no effect with grad_accum 1: every batch is the "
+            "last micro-batch of its optimizer step. Set the step's grad_accum to accumulate.",
+            UserWarning,
+            stacklevel=2,
+        )
     train_loader = _params_of(train_dataloader)
     check_sampler(train_loader, dataset_dict[train_split], "train_dataloader")
     check_batches(train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size)

@@ -9,8 +9,14 @@ from typing import Any, Dict
 
 import torch
 from tango.integrations.torch import Model, TrainCallback, TrainingEngine
+from torch.distributed.tensor import DTensor
 
 from tango_fairscale import FairScaleTrainingEngine
+
+
+def local(value: Any) -> Any:
+    """This worker's part of a DTensor; anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 @TrainCallback.register("test::record_state_sizes")
@@ -24,26 +30,20 @@ class RecordStateSizes(TrainCallback):
     def post_train_loop(self, step: int, epoch: int) -> None:
         model = self.training_engine.model
         optimizer = self.training_engine.optimizer
-        optimizer_numel = sum(
-            value.numel()
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
-        optimizer_bytes = sum(
-            value.numel() * value.element_size()
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-        parameters = list(model.parameters())
+        # The torch backend's tensors are DTensors, whose numel() is the whole tensor's.
+        states = [local(value) for state in optimizer.state.values() for value in state.values()]
+        optimizer_numel = sum(v.numel() for v in states if isinstance(v, torch.Tensor) and v.dim() > 0)
+        optimizer_bytes = sum(v.numel() * v.element_size() for v in states if isinstance(v, torch.Tensor))
+        parameters = [local(p) for p in model.parameters()]
         sizes: Dict[str, Any] = {
             "worker": self.train_config.worker_id,
             "param_numel": sum(p.numel() for p in parameters),
             "optimizer_numel": optimizer_numel,
             "param_bytes": sum(p.numel() * p.element_size() for p in parameters),
             "grad_bytes": sum(
-                p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None
+                local(p.grad).numel() * p.grad.element_size()
+                for p in model.parameters()
+                if p.grad is not None
             ),
             "optimizer_bytes": optimizer_bytes,
         }
@@ -351,3 +351,26 @@ class FreezeWorker(TrainCallback):
         if self.train_config.worker_id == self.worker and step == self.step:
             (self.train_config.work_dir / f"frozen_pid_{os.getpid()}").touch()
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@Model.register("my_model")
+class MyModel(Model):
+    """
+    The README's ``my_model``: a model whose layers are ``transformer.h.<i>``, as the README's
+    ``modules_to_wrap`` pattern expects, on the toy regression data (``x``, ``y``).
+    """
+
+    def __init__(self, in_features: int = 8, width: int = 32, num_layers: int = 3) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.transformer = torch.nn.Module()
+        self.transformer.h = torch.nn.ModuleList(  # type: ignore[assignment]
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(num_layers)
+        )
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hidden = self.input(x)
+        for layer in self.transformer.h:  # type: ignore[union-attr]
+            hidden = layer(hidden)
+        return {"loss": torch.nn.functional.mse_loss(self.head(hidden).squeeze(-1), y)}

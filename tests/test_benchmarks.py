@@ -4,13 +4,16 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 import torch
 
+from benchmarks.components import _TimedCollectives
 from benchmarks.gpu import MODELS, matmul_parameters, peak_tflops_for, training_flops_per_token
-from benchmarks.run import CONFIGS
+from benchmarks.run import CONFIGS, GRAD_ACCUM, experiment
 from tests.helpers import REPO
 
 
@@ -26,7 +29,14 @@ def run_benchmarks(*arguments: str, timeout: float = 600) -> "subprocess.Complet
     )
 
 
+def calls_per_step(record: Dict[str, Any], name: str) -> List[int]:
+    """A configuration's calls of a FairScale collective in each optimizer step, on every worker."""
+    return [calls for worker in record["workers"] for calls in worker["collective_calls_per_step"][name]]
+
+
 @pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(1500)
 def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     result = run_benchmarks(
         "--quick",
@@ -38,6 +48,7 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         str(tmp_path / "benchmarks.md"),
         "--chart",
         str(tmp_path / "benchmarks.png"),
+        timeout=1400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
@@ -48,22 +59,104 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         assert record["peak_rss_bytes_per_worker"] > 0
         assert record["step_time_s"] > 0
         assert len(record["workers"]) == record["world_size"]
-        # Time in FairScale's collectives is measured for this plugin's configurations only.
-        if CONFIGS[record["config"]][0] == "fairscale":
-            assert record["collectives_time_s"] > 0
+        # Time in FairScale's collectives is measured for the FairScale backend only (not for DDP
+        # or the engine's FSDP2 backend), in all of them and per function.
+        timed = ("collectives_time_s", "all_gather_time_s", "reduce_scatter_time_s")
+        if CONFIGS[record["config"]].times_collectives:
+            assert all(record[key] > 0 for key in timed), record["config"]
+            assert all(calls_per_step(record, "all_gather")) and all(calls_per_step(record, "reduce_scatter"))
         else:
-            assert record["collectives_time_s"] is None
-    # Sharding shows up in the exact tensor accounting (no timing assertions).
-    assert (
-        records[("fsdp", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
-    )
-    assert (
-        records[("fsdp2", 2)]["state_bytes_per_worker"] < 0.6 * records[("ddp", 2)]["state_bytes_per_worker"]
-    )
+            assert all(record[key] is None for key in timed), record["config"]
+            assert calls_per_step(record, "all_gather") == calls_per_step(record, "reduce_scatter") == []
+    # Sharding shows up in the exact tensor accounting (no timing assertions), FSDP2 (the
+    # engine's torch backend) included.
+    ddp_state = records[("ddp", 2)]["state_bytes_per_worker"]
+    for name in ("fsdp", "fsdp2", "fsdp2_eager_init", "fsdp_accum", "fsdp_accum_local"):
+        assert records[(name, 2)]["state_bytes_per_worker"] < 0.6 * ddp_state, name
+    # Gradient accumulation, counted call by call: a reduce-scatter per micro-batch, or with
+    # accumulate_grads_locally one per optimizer step, as without accumulation.
+    once = calls_per_step(records[("fsdp", 2)], "reduce_scatter")
+    accum = calls_per_step(records[("fsdp_accum", 2)], "reduce_scatter")
+    local = calls_per_step(records[("fsdp_accum_local", 2)], "reduce_scatter")
+    assert accum == [GRAD_ACCUM * calls for calls in local]
+    assert local == once
+    assert calls_per_step(records[("fsdp_accum_local_no_reshard", 2)], "reduce_scatter") == local
+    # Without resharding after forward, the gathered parameters stay for the whole step.
+    gathers = calls_per_step(records[("fsdp_accum_local_no_reshard", 2)], "all_gather")
+    assert max(gathers) < min(calls_per_step(records[("fsdp_accum_local", 2)], "all_gather"))
     table = (tmp_path / "benchmarks.md").read_text()
+    assert "| in collectives | all-gather | reduce-scatter |" in table
     for name in CONFIGS:
         assert f"| `{name}` | 2 |" in table
+    fsdp2_row = next(line for line in table.splitlines() if line.startswith("| `fsdp2` | 2 |"))
+    assert fsdp2_row.endswith("| - | - | - |")
+    fsdp_row = next(line for line in table.splitlines() if line.startswith("| `fsdp` | 2 |"))
+    assert fsdp_row.count(" s |") == 4  # the step time and the three collective times
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_experiments_configure_the_engine_and_gradient_accumulation() -> None:
+    model = {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16, "n_positions": 4}
+
+    def steps(name: str) -> Dict[str, Any]:
+        return experiment(name, world_size=2, model=model, steps=3, warmup=1, batch_size=2)["steps"]
+
+    # FSDP2 is the real engine's torch backend, with the same wrap plan as the FairScale configurations.
+    for name, meta in (("fsdp2", True), ("fsdp2_eager_init", False)):
+        train = steps(name)["train"]
+        assert train["training_engine"]["type"] == "fairscale"
+        assert train["training_engine"]["backend"] == "torch"
+        assert train["training_engine"].get("init_on_meta", False) is meta
+        assert train["model"]["type"] == "fairscale::with_wrapped_modules"
+        assert train["model"]["wrap_module_classes"] == ["GPT2Block"]
+        assert "grad_accum" not in train
+    assert not any(config.engine.startswith("benchmark::") for config in CONFIGS.values())
+
+    plain = steps("fsdp")
+    for name, local in (
+        ("fsdp_accum", False),
+        ("fsdp_accum_local", True),
+        ("fsdp_accum_local_no_reshard", True),
+    ):
+        accumulating = steps(name)
+        train = accumulating["train"]
+        assert train["grad_accum"] == GRAD_ACCUM
+        assert train["training_engine"]["accumulate_grads_locally"] is local
+        assert train["training_engine"]["init_on_meta"] is True
+        # The data grows with the micro-batches: every step gets all of them.
+        assert accumulating["data"]["count"] == GRAD_ACCUM * plain["data"]["count"]
+        assert accumulating["data"]["count"] >= 2 * 2 * 3 * GRAD_ACCUM
+    no_reshard = steps("fsdp_accum_local_no_reshard")["train"]
+    assert no_reshard["training_engine"]["fsdp_config"] == {"reshard_after_forward": False}
+    assert no_reshard["model"]["fsdp_config"] == {"reshard_after_forward": False}
+
+
+def test_timed_collectives_count_and_time_each_function() -> None:
+    class Inner:
+        def all_gather(self, delay: float) -> str:
+            time.sleep(delay)
+            return "gathered"
+
+        def reduce_scatter(self, delay: float) -> str:
+            time.sleep(delay)
+            return "scattered"
+
+        def barrier(self) -> str:
+            return "barrier"
+
+    inner = Inner()
+    timed = _TimedCollectives(inner)
+    assert timed.all_gather(0.02) == "gathered"
+    assert timed.all_gather(0.0) == "gathered"
+    assert timed.reduce_scatter(0.01) == "scattered"
+    assert timed.barrier == inner.barrier  # not timed: the inner module's own
+    assert timed.calls_by_name == {"all_gather": 2, "reduce_scatter": 1}
+    assert timed.seconds_by_name["all_gather"] >= 0.02
+    assert timed.seconds_by_name["reduce_scatter"] >= 0.01
+    assert timed.seconds == pytest.approx(sum(timed.seconds_by_name.values()))
+    timed.reset()
+    assert timed.calls_by_name == {"all_gather": 0, "reduce_scatter": 0}
+    assert timed.seconds == 0.0
 
 
 @pytest.mark.slow

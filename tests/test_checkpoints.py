@@ -13,13 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import CheckpointError, checkpointing
+from tango_fairscale import CheckpointError, checkpointing, consolidation
 from tests.helpers import (
     REPO,
     load_weights,
@@ -40,22 +40,38 @@ CALLBACKS: List[Dict[str, Any]] = [
 ]
 
 
-def kill_config(**overrides: Any) -> Dict[str, Any]:
+BACKENDS = ["fairscale", "torch"]
+
+
+def backend_engine(backend: str, **extra: Any) -> Dict[str, Any]:
+    return {"backend": backend, **extra}
+
+
+def kill_config(backend: str = "fairscale", **overrides: Any) -> Dict[str, Any]:
     return train_config(
         engine="fairscale",
         wrap="nested",
         train_steps=12,
         checkpoint_every=3,
         callbacks=CALLBACKS,
+        engine_extra=backend_engine(backend),
         **overrides,
     )
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
-    root = tmp_path_factory.mktemp("uninterrupted")
-    run_tango(kill_config(), root / "ws", cwd=root / "cwd")
-    return load_weights(root / "ws")
+def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Dict[str, torch.Tensor]]:
+    """The weights of the uninterrupted run of :func:`kill_config`, per backend, run once each."""
+    weights: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def run(backend: str) -> Dict[str, torch.Tensor]:
+        if backend not in weights:
+            root = tmp_path_factory.mktemp(f"uninterrupted_{backend}")
+            run_tango(kill_config(backend), root / "ws", cwd=root / "cwd")
+            weights[backend] = load_weights(root / "ws")
+        return weights[backend]
+
+    return run
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -67,10 +83,12 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_after_checkpoint_then_rerun_matches(
-    uninterrupted: Dict[str, torch.Tensor], tmp_path: Path
+    backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
-    config = kill_config()
+    uninterrupted = uninterrupted_runs(backend)
+    config = kill_config(backend)
     cwd, workspace = tmp_path / "cwd", tmp_path / "ws"
     process = subprocess.Popen(
         tango_command(config, workspace, cwd),
@@ -112,13 +130,14 @@ def test_sigkill_after_checkpoint_then_rerun_matches(
     )
     assert recovered is not None and int(recovered.group(1)) >= 6
     difference = max_abs_difference(load_weights(workspace), uninterrupted)
-    print(f"max |resumed - uninterrupted| = {difference:.3e}")
+    print(f"[{backend}] max |resumed - uninterrupted| = {difference:.3e}")
     assert difference <= RESUME_TOLERANCE
 
 
 def test_crash_while_saving_keeps_previous_checkpoint(
-    uninterrupted: Dict[str, torch.Tensor], tmp_path: Path
+    uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
+    uninterrupted = uninterrupted_runs("fairscale")
     config = kill_config()
     config["steps"]["train"]["training_engine"]["type"] = "test::fairscale_crash_in_save"
     config["steps"]["train"]["training_engine"]["crash_at_checkpoint"] = "checkpoint_state_step6"
@@ -142,12 +161,8 @@ def test_crash_while_saving_keeps_previous_checkpoint(
 
 
 def consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
-    model_shards = checkpointing.load_model_shards(checkpoint_dir)
-    optimizer_shards = checkpointing.load_optimizer_shards(checkpoint_dir)
-    return {
-        "model": checkpointing.consolidate_model_state(model_shards),
-        "optimizer": checkpointing.consolidate_optimizer_state(model_shards, optimizer_shards),
-    }
+    """Model and optimizer state of a checkpoint of either backend, keyed by parameter name."""
+    return consolidation.consolidate(checkpoint_dir, with_optimizer=True)
 
 
 def assert_states_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
@@ -165,15 +180,35 @@ def assert_states_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_worker_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("two_workers")
-    config = train_config(engine="fairscale", wrap="nested", train_steps=8, checkpoint_every=4, callbacks=[])
-    config["steps"]["train"]["remove_stale_checkpoints"] = False  # keep step 4 to resume from
-    run_tango(config, root / "ws", cwd=root / "cwd")
-    return train_work_dir(root / "ws")
+def two_worker_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The work directory of an 8-step run on 2 workers that kept its step-4 checkpoint, per backend."""
+    work_dirs: Dict[str, Path] = {}
+
+    def run(backend: str) -> Path:
+        if backend not in work_dirs:
+            root = tmp_path_factory.mktemp(f"two_workers_{backend}")
+            config = train_config(
+                engine="fairscale",
+                wrap="nested",
+                train_steps=8,
+                checkpoint_every=4,
+                callbacks=[],
+                engine_extra=backend_engine(backend),
+            )
+            config["steps"]["train"]["remove_stale_checkpoints"] = False  # keep step 4 to resume from
+            run_tango(config, root / "ws", cwd=root / "cwd")
+            work_dirs[backend] = train_work_dir(root / "ws")
+        return work_dirs[backend]
+
+    return run
 
 
-def resume_on(workers: int, source: Path, tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def two_worker_run(two_worker_runs: Callable[[str], Path]) -> Path:
+    return two_worker_runs("fairscale")
+
+
+def resume_on(workers: int, source: Path, tmp_path: Path, backend: str = "fairscale") -> Path:
     config = train_config(
         engine="fairscale",
         wrap="nested",
@@ -181,7 +216,7 @@ def resume_on(workers: int, source: Path, tmp_path: Path) -> Path:
         train_steps=20,
         checkpoint_every=10,
         callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
-        engine_extra={"resume_from_checkpoint": str(source)},
+        engine_extra=backend_engine(backend, resume_from_checkpoint=str(source)),
     )
     config["steps"]["train"]["remove_stale_checkpoints"] = False
     result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
@@ -189,10 +224,13 @@ def resume_on(workers: int, source: Path, tmp_path: Path) -> Path:
     return train_work_dir(tmp_path / "ws")
 
 
-@pytest.mark.parametrize("workers", [3, 4])
-def test_resume_on_another_world_size(workers: int, two_worker_run: Path, tmp_path: Path) -> None:
-    saved = two_worker_run / "checkpoint_state_step4"
-    work_dir = resume_on(workers, saved, tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workers", [3, pytest.param(4, marks=pytest.mark.extended)])
+def test_resume_on_another_world_size(
+    workers: int, backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path
+) -> None:
+    saved = two_worker_runs(backend) / "checkpoint_state_step4"
+    work_dir = resume_on(workers, saved, tmp_path, backend)
     assert checkpointing.read_marker(work_dir / "after_load")["world_size"] == workers  # type: ignore[index]
     # Right after loading, the new workers hold exactly what the 2-worker run saved.
     assert_states_equal(consolidated(work_dir / "after_load"), consolidated(saved))
@@ -203,7 +241,7 @@ def test_resume_on_another_world_size(workers: int, two_worker_run: Path, tmp_pa
     assert sum(losses[s] for s in last) < sum(losses[s] for s in first)
 
     # And back: resume the resharded run's checkpoint on 2 workers.
-    back = resume_on(2, work_dir / "checkpoint_state_step10", tmp_path / "back")
+    back = resume_on(2, work_dir / "checkpoint_state_step10", tmp_path / "back", backend)
     assert_states_equal(consolidated(back / "after_load"), consolidated(work_dir / "checkpoint_state_step10"))
 
 
@@ -271,7 +309,9 @@ def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: P
     assert evidence.exists()
 
 
-def test_consolidate_command(two_worker_run: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path) -> None:
+    two_worker_run = two_worker_runs(backend)
     output = tmp_path / "full.pt"
     result = subprocess.run(
         [
@@ -301,7 +341,11 @@ def test_consolidate_command(two_worker_run: Path, tmp_path: Path) -> None:
     assert set(full["optimizer"]["state"]) == set(full["model"])
 
 
-@pytest.mark.parametrize("marker_lists_files", [True, False], ids=["marker-lists-files", "older-marker"])
+@pytest.mark.parametrize(
+    "marker_lists_files",
+    [True, pytest.param(False, marks=pytest.mark.extended)],
+    ids=["marker-lists-files", "older-marker"],
+)
 def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
     marker_lists_files: bool, two_worker_run: Path, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """
 The heart of the plugin: FSDP on 2 CPU workers trains to the same weights as Tango's own DDP
-engine on 2 CPU workers, through the real ``tango`` CLI.
+engine on 2 CPU workers, through the real ``tango`` CLI, with either backend (FairScale's FSDP,
+PyTorch's FSDP2), and the two backends to the same weights as each other.
 """
 
 import json
@@ -12,6 +13,7 @@ from tango.integrations.torch.util import set_seed_all
 from tango.workspaces import LocalWorkspace
 
 from examples.toy.components import ToyRegressor
+from tests.conftest import ToyRun
 from tests.helpers import load_weights, max_abs_difference, run_tango, train_config, train_work_dir
 
 pytestmark = pytest.mark.slow
@@ -20,11 +22,13 @@ TOLERANCE = 1e-5
 SEED = 7  # train_config()'s default seed
 
 
+BACKENDS = ["fairscale", "torch"]
+WRAPS = ["root", "nested", "nested_ckpt"]
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("ddp")
-    run_tango(train_config(engine="torch", wrap="none"), root / "ws", cwd=root / "cwd")
-    return root / "ws"
+def ddp_run(toy_run: ToyRun) -> Path:
+    return toy_run("torch", "none")
 
 
 def state_sizes(workspace: Path) -> Dict[int, dict]:
@@ -33,10 +37,10 @@ def state_sizes(workspace: Path) -> Dict[int, dict]:
     return {entry["worker"]: entry for entry in sizes}
 
 
-@pytest.mark.parametrize("wrap", ["root", "nested", "nested_ckpt"])
-def test_fsdp_matches_ddp(wrap: str, ddp_run: Path, tmp_path: Path) -> None:
-    run_tango(train_config(engine="fairscale", wrap=wrap), tmp_path / "ws", cwd=tmp_path / "cwd")
-    fsdp_weights = load_weights(tmp_path / "ws")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_fsdp_matches_ddp(wrap: str, backend: str, ddp_run: Path, toy_run: ToyRun) -> None:
+    fsdp_weights = load_weights(toy_run("fairscale", wrap, backend))
     ddp_weights = load_weights(ddp_run)
 
     # Same keys as the plain model, and loadable into it strictly.
@@ -50,8 +54,29 @@ def test_fsdp_matches_ddp(wrap: str, ddp_run: Path, tmp_path: Path) -> None:
     assert max_abs_difference(fsdp_weights, initial) > 1e-2
 
     difference = max_abs_difference(fsdp_weights, ddp_weights)
-    print(f"[{wrap}] max |FSDP - DDP| over all weights: {difference:.3e}")
+    print(f"[{backend}, {wrap}] max |FSDP - DDP| over all weights: {difference:.3e}")
     assert difference <= TOLERANCE
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_backends_train_to_the_same_weights(wrap: str, toy_run: ToyRun) -> None:
+    fairscale = load_weights(toy_run("fairscale", wrap, "fairscale"))
+    torch_fsdp = load_weights(toy_run("fairscale", wrap, "torch"))
+    difference = max_abs_difference(fairscale, torch_fsdp)
+    print(f"[{wrap}] max |torch backend - fairscale backend|: {difference:.3e}")
+    assert difference <= TOLERANCE
+
+
+def test_accumulating_gradients_locally_matches_reducing_each_micro_batch(toy_run: ToyRun) -> None:
+    """grad_accum 4: one reduce-scatter per optimizer step (no_sync before) against one per micro-batch."""
+    reduced = load_weights(toy_run("fairscale", "nested", "fairscale", grad_accum=4))
+    for backend in BACKENDS:
+        local = load_weights(toy_run("fairscale", "nested", backend, grad_accum=4, accumulate_locally=True))
+        difference = max_abs_difference(local, reduced)
+        print(f"[{backend}] max |accumulated locally - reduced per micro-batch|: {difference:.3e}")
+        assert difference <= TOLERANCE
+    # Four micro-batches per step trained to other weights than one: the runs saw grad_accum.
+    assert max_abs_difference(reduced, load_weights(toy_run("fairscale", "nested", "fairscale"))) > 1e-3
 
 
 def test_step_result_is_the_trained_model(tmp_path: Path) -> None:
@@ -67,10 +92,9 @@ def test_step_result_is_the_trained_model(tmp_path: Path) -> None:
     assert max_abs_difference(model.state_dict(), weights) == 0.0
 
 
-def test_each_worker_holds_half_of_ddp_state(ddp_run: Path, tmp_path: Path) -> None:
-    run_tango(train_config(engine="fairscale", wrap="nested"), tmp_path / "ws", cwd=tmp_path / "cwd")
+def test_each_worker_holds_half_of_ddp_state(ddp_run: Path, toy_run: ToyRun) -> None:
     ddp = state_sizes(ddp_run)
-    fsdp = state_sizes(tmp_path / "ws")
+    fsdp = state_sizes(toy_run("fairscale", "nested", "fairscale"))
     assert sorted(ddp) == sorted(fsdp) == [0, 1]
     full_params = sum(p.numel() for p in ToyRegressor(in_features=8, width=32, num_blocks=4).parameters())
     for worker in (0, 1):
@@ -83,3 +107,19 @@ def test_each_worker_holds_half_of_ddp_state(ddp_run: Path, tmp_path: Path) -> N
         assert 0.5 <= optimizer_ratio <= 0.5 + 12 / full_params
     # The two halves cover the model exactly once (up to padding).
     assert fsdp[0]["param_numel"] == fsdp[1]["param_numel"]
+
+
+def test_torch_backend_workers_hold_disjoint_halves(ddp_run: Path, toy_run: ToyRun) -> None:
+    ddp = state_sizes(ddp_run)
+    fsdp = state_sizes(toy_run("fairscale", "nested", "torch"))
+    model = ToyRegressor(in_features=8, width=32, num_blocks=4)
+    full_params = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    # FSDP2 shards each parameter on dim 0 without padding: the workers' parts add up to the
+    # model exactly, and an odd first dimension gives worker 0 one row more.
+    assert fsdp[0]["param_numel"] + fsdp[1]["param_numel"] == full_params == ddp[0]["param_numel"]
+    assert fsdp[0]["optimizer_numel"] + fsdp[1]["optimizer_numel"] == ddp[0]["optimizer_numel"]
+    for worker in (0, 1):
+        ratio = fsdp[worker]["param_numel"] / ddp[worker]["param_numel"]
+        print(f"worker {worker}: params {ratio:.4f} x DDP")
+        assert abs(ratio - 0.5) <= 32 * tensors / full_params

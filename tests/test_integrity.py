@@ -155,6 +155,7 @@ def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path)
     assert "worker0_optimizer.pt has SHA-256" in output and "contents changed" in output, output[-3000:]
 
 
+@pytest.mark.extended
 def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
     timeout = 15
     config = train_config(

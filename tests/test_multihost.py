@@ -423,6 +423,7 @@ def test_lost_host_ends_the_others_and_a_rerun_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchrun_restarts_a_lost_host(
     network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

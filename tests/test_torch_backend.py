@@ -38,7 +38,12 @@ from tango_fairscale.backends.torch_fsdp import (
     no_sync,
     shard_model,
 )
-from tango_fairscale.backends.torch_fsdp_checkpoint import consolidate_dcp, load_sharded, save_sharded
+from tango_fairscale.backends.torch_fsdp_checkpoint import (
+    consolidate_dcp,
+    load_sharded,
+    plain_name,
+    save_sharded,
+)
 from tango_fairscale.errors import CheckpointError
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tests.helpers import REPO, free_port
@@ -578,6 +583,22 @@ def _optimizer_diff(a: Dict[str, Any], b: Dict[str, Any]) -> float:
     return max(diffs)
 
 
+def test_consolidated_optimizer_state_is_the_saved_one(trained: Path) -> None:
+    saved = _results(trained, "train", 2)[0]
+    full = consolidate_dcp(trained / "checkpoint", with_optimizer=True)
+    assert _max_diff(full["model"], saved["nested_ckpt"]["state"]) == 0.0
+    # Keyed by the plain model's names, as the fairscale backend's consolidation is.
+    expected = saved["saved_optimizer"]
+    assert set(full["optimizer"]["state"]) == set(full["model"])
+    plain = {
+        "state": {plain_name(k): v for k, v in expected["state"].items()},
+        "param_groups": [
+            {**g, "params": [plain_name(p) for p in g["params"]]} for g in expected["param_groups"]
+        ],
+    }
+    assert _optimizer_diff(full["optimizer"], plain) == 0.0
+
+
 def test_checkpoint_of_two_workers_loads_on_three(trained: Path) -> None:
     saved = _results(trained, "train", 2)[0]
     for rank, result in enumerate(_load_on(trained, 3, hosts=1)):
@@ -655,3 +676,32 @@ def test_metadata_of_a_real_checkpoint_names_only_allowed_globals(trained: Path)
     Recording(io.BytesIO((trained / "checkpoint" / "dcp" / ".metadata").read_bytes())).load()
     dtypes = {(m, n) for m, n in seen if m == "torch" and isinstance(getattr(torch, n, None), torch.dtype)}
     assert seen - dtypes <= torch_fsdp_checkpoint.METADATA_GLOBALS
+
+
+def test_readme_shows_the_option_mapping() -> None:
+    assert torch_fsdp.render_option_table(with_reasons=False) in (REPO / "README.md").read_text()
+
+
+def test_each_backend_refuses_the_others_checkpoint(tmp_path: Path) -> None:
+    from tango_fairscale.preflight import check_engine
+
+    written = {"torch": tmp_path / "torch_written", "fairscale": tmp_path / "fairscale_written"}
+    for backend, directory in written.items():
+        directory.mkdir()
+        fields = torch_fsdp_checkpoint.MARKER_FIELDS if backend == "torch" else {}
+        checkpointing.write_marker(directory, world_size=2, extra={**fields, "files": [], "digests": {}})
+    for backend, directory in written.items():
+        marker = checkpointing.read_marker(directory)
+        assert marker is not None
+        torch_fsdp_checkpoint.check_written_by(directory, marker, backend)  # its own: accepted
+        other = "fairscale" if backend == "torch" else "torch"
+        expected = (
+            f"written by the {backend} backend .* not the {other} backend: "
+            f'resume it with training_engine.backend: "{backend}"'
+        )
+        with pytest.raises(CheckpointError, match=expected):
+            torch_fsdp_checkpoint.check_written_by(directory, marker, other)
+        # Pre-flight says so before any worker starts.
+        with pytest.raises(ConfigurationError, match="training_engine.resume_from_checkpoint: .*" + expected):
+            check_engine({"backend": other, "resume_from_checkpoint": str(directory)}, 2, None, True)
+        check_engine({"backend": backend, "resume_from_checkpoint": str(directory)}, 2, None, True)

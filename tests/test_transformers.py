@@ -84,6 +84,7 @@ def test_gpt2_class_auto_wrap_matches_ddp(tmp_path: Path) -> None:
     assert difference <= 1e-5
 
 
+@pytest.mark.extended
 def test_t5_class_auto_wrap_trains(tmp_path: Path) -> None:
     import json
 

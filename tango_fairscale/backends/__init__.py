@@ -9,5 +9,6 @@ Sharding backends other than FairScale's FSDP.
   ``torch.distributed.checkpoint`` (DCP), loaded without unpickling anything but DCP's own
   metadata classes, and consolidated without a process group.
 
-The library half only: the training engine chooses a backend. See ``docs/torch-backend.md``.
+The engine's ``backend: "torch"`` option (:class:`~tango_fairscale.FairScaleTrainingEngine`)
+selects this backend; see ``docs/torch-backend.md``.
 """

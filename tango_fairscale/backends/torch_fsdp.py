@@ -1,6 +1,6 @@
 """
 PyTorch's FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) as a sharding backend: the library
-half of ``backend: "torch"``.
+half of the engine's ``backend: "torch"``.
 
 FSDP2 shards each parameter as a :class:`~torch.distributed.tensor.DTensor` (dim 0 across the
 mesh) instead of FairScale's flat per-unit buffers, works on CPU meshes over gloo as well as on
@@ -39,7 +39,7 @@ from ..wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
 
 logger = logging.getLogger(__name__)
 
-#: The backend's name in messages (and, later, in the engine's ``backend`` switch).
+#: The backend's name in messages and in the engine's ``backend`` option.
 BACKEND = "torch"
 
 #: FairScale's default ``bucket_cap_mb``; with ``0`` the only values FSDP2's behaviour matches.
@@ -221,12 +221,19 @@ def check_options(config: FSDPConfig, *, where: str = "FSDPConfig") -> None:
         )
 
 
-def render_option_table() -> str:
-    """:data:`OPTION_TABLE` as the Markdown table of ``docs/torch-backend.md``."""
-    lines = ["| field | FSDP2 meaning | why |", "|---|---|---|"]
+def render_option_table(with_reasons: bool = True) -> str:
+    """
+    :data:`OPTION_TABLE` as the Markdown table of ``docs/torch-backend.md``; without the reasons,
+    the README's.
+    """
+    lines = (
+        ["| field | FSDP2 meaning | why |", "|---|---|---|"]
+        if with_reasons
+        else ['| `FSDPConfig` field | with `backend: "torch"` |', "|---|---|"]
+    )
     for field, (meaning, reason) in OPTION_TABLE.items():
         shown = meaning if meaning is not None else "none: **refused** unless left at its default"
-        lines.append(f"| `{field}` | {shown} | {reason} |")
+        lines.append(f"| `{field}` | {shown} | {reason} |" if with_reasons else f"| `{field}` | {shown} |")
     return "\n".join(lines)
 
 

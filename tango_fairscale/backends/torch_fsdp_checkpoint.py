@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .. import checkpointing
+from ..checkpointing.formats import MARKER_FIELDS, check_written_by, is_torch_checkpoint
 from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ logger = logging.getLogger(__name__)
 DCP_DIR = "dcp"
 #: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 METADATA_FILE = ".metadata"
-#: What the marker says about the checkpoint's format, to tell it from the FairScale backend's.
-MARKER_FIELDS = {"backend": "torch", "format": "dcp"}
 
 #: The only globals ``.metadata`` may name: DCP's metadata classes, torch.Size, torch's dtypes (any
 #: ``torch.<name>`` that is a :class:`torch.dtype`, checked separately), the layout lookup and paths
@@ -203,11 +202,6 @@ def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def is_torch_checkpoint(marker: Mapping[str, Any]) -> bool:
-    """Whether a checkpoint's marker says it was written by :func:`save_sharded` (else: FairScale's)."""
-    return all(marker.get(key) == value for key, value in MARKER_FIELDS.items())
-
-
 def _require_torch_marker(checkpoint_dir: Path) -> Dict[str, Any]:
     if checkpoint_dir.is_dir() and (checkpoint_dir / DCP_DIR).is_dir():
         if checkpointing.read_marker(checkpoint_dir) is None:
@@ -216,12 +210,7 @@ def _require_torch_marker(checkpoint_dir: Path) -> Dict[str, Any]:
                 "save was interrupted. Use an earlier complete checkpoint."
             )
     marker = checkpointing.require_complete(checkpoint_dir)
-    if not is_torch_checkpoint(marker):
-        raise CheckpointError(
-            f"{checkpoint_dir} was written by the fairscale backend (FairScale's flat shards), not the torch "
-            'backend (DCP): resume it with backend: "fairscale", or consolidate it to weights and start a '
-            "new run."
-        )
+    check_written_by(checkpoint_dir, marker, "torch")
     return marker
 
 
@@ -394,28 +383,48 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-def consolidate_dcp(checkpoint_dir: Path, *, hashes: bool = True) -> Dict[str, torch.Tensor]:
+def consolidate_dcp(
+    checkpoint_dir: Path, *, with_optimizer: bool = False, hashes: bool = True
+) -> Dict[str, Any]:
     """
     The plain model's state dict (full tensors on the CPU, plain parameter names) from a complete
     checkpoint of :func:`save_sharded`, read in this process alone (no process group needed, and
     none used if there is one). Loads strictly into the unwrapped model. Holds the whole model in
-    memory; the optimizer state is not read.
+    memory. With ``with_optimizer``, ``{"model": ..., "optimizer": ...}`` instead, the optimizer
+    state keyed by plain parameter name as for the fairscale backend:
+    ``{"state": {name: {"exp_avg": ..., "step": ...}}, "param_groups": [{..., "params": [names]}]}``.
     """
     checkpoint_dir = Path(checkpoint_dir).resolve()
     marker = _require_torch_marker(checkpoint_dir)
     names = _dcp_files(checkpoint_dir, marker)
     checkpointing.verify_files(checkpoint_dir, marker, names, hashes=hashes)
     allowed = {name[len(DCP_DIR) + 1 :] for name in names}
+    keys = {"model", "optim"} if with_optimizer else {"model"}
     loaded: Dict[str, Any] = {}
     _dcp_call(
         _load_state_dict,
         loaded,
         storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
-        planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}),
+        planner=_SafeEmptyStateDictLoadPlanner(keys=keys),
         no_dist=True,
     )
-    result: Dict[str, torch.Tensor] = {}
-    for key, value in loaded.get("model", {}).items():
+    model = _plain_keys(loaded.get("model", {}), checkpoint_dir)
+    if not with_optimizer:
+        return model
+    saved = loaded.get("optim", {})
+    optimizer = {
+        "state": _plain_keys(saved.get("state", {}), checkpoint_dir),
+        "param_groups": [
+            {**group, "params": [plain_name(name) for name in group.get("params", [])]}
+            for group in saved.get("param_groups", [])
+        ],
+    }
+    return {"model": model, "optimizer": optimizer}
+
+
+def _plain_keys(entries: Mapping[str, Any], checkpoint_dir: Path) -> Dict[str, Any]:
+    result: Dict[str, Any] = {}
+    for key, value in entries.items():
         clean = plain_name(key)
         if clean in result:
             raise CheckpointError(f"{checkpoint_dir}: two saved entries are both named {clean!r}.")

@@ -1,0 +1,199 @@
+"""
+The README's commands and config snippets, run as written: the training config snippet (with the
+one-line switch to the torch backend too), ``include_package``, ``plan``, ``plot``,
+``consolidate`` and the Python API excerpt. Placeholders (``WORKSPACE/cache/TorchTrainStep-.../work``,
+``[--option VALUE]``) are filled in, and the user's own pieces (``my_model``, the ``data`` step)
+come from the test components; ``-o`` shortens training to a few steps. ``make demo`` and
+``make test`` are what CI and the example tests run.
+"""
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.components import MyModel
+from tests.helpers import REPO, TANGO, free_port, max_abs_difference, tango_env, train_work_dir
+
+pytestmark = pytest.mark.slow
+
+README = (REPO / "README.md").read_text()
+#: The user's own pieces the README leaves to them: its ``my_model`` and the ``data`` step.
+USER_PACKAGES = ["tests.components", "examples.toy.components"]
+DATA_STEP = 'data: { type: "toy::regression_data", in_features: 8, train_size: 256, validation_size: 64 },'
+TRAIN_STEPS = 6
+
+
+def blocks(language: str) -> List[str]:
+    """The README's fenced code blocks in ``language``, in order."""
+    return [
+        m.group(2)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+        if m.group(1) == language
+    ]
+
+
+def block_with(language: str, text: str) -> str:
+    (found,) = [block for block in blocks(language) if text in block]
+    return found
+
+
+def command_lines(language: str, text: str) -> List[str]:
+    """The commands of the block holding ``text``, continuation lines joined, comments dropped."""
+    joined = block_with(language, text).replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
+
+
+def experiment(train_snippet: str) -> str:
+    """The README's ``train: {...}`` snippet as the training step of a whole experiment."""
+    return "{\n  steps: {\n    " + DATA_STEP + "\n" + train_snippet + "  },\n}\n"
+
+
+def run(command: List[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        command, cwd=cwd, env=tango_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def tango_run(cwd: Path) -> None:
+    """The README's ``tango run`` line, with the user's packages and a short run."""
+    (line,) = command_lines("bash", "tango run config.jsonnet -i tango_fairscale -w workspace")
+    command = shlex.split(line)
+    assert command[0] == "tango" and "-w" in command
+    overrides = f'{{"steps.train.train_steps": {TRAIN_STEPS}, "steps.train.distributed_port": {free_port()}}}'
+    extra = [arg for package in USER_PACKAGES for arg in ("-i", package)]
+    run([TANGO, *command[1:], *extra, "-o", overrides], cwd)
+
+
+TRAIN_SNIPPET = block_with("jsonnet", 'type: "torch::train"')
+
+
+def torch_backend_snippet() -> str:
+    """The training snippet with its ``training_engine`` replaced by the README's backend example."""
+    switched = block_with("jsonnet", 'backend: "torch"')
+    engine = re.search(r"^  training_engine: \{\n.*?^  \},\n", TRAIN_SNIPPET, re.M | re.S)
+    assert engine is not None
+    # One line apart: the example is the snippet's engine plus `backend: "torch"`.
+    assert [line for line in switched.splitlines() if 'backend: "torch"' not in line] == engine.group(
+        0
+    ).splitlines()
+    return TRAIN_SNIPPET.replace(engine.group(0), switched)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """Per backend, the directory the README's ``tango run`` ran in (its ``workspace`` inside)."""
+    directories = {}
+    for backend, snippet in (("fairscale", TRAIN_SNIPPET), ("torch", torch_backend_snippet())):
+        cwd = tmp_path_factory.mktemp(f"readme_{backend}")
+        (cwd / "config.jsonnet").write_text(experiment(snippet))
+        tango_run(cwd)
+        directories[backend] = cwd
+    return directories
+
+
+def test_snippet_trains_and_keeps_its_result(trained: Dict[str, Path]) -> None:
+    weights = {}
+    for backend, cwd in trained.items():
+        # -w workspace: the trained weights outlive the command.
+        weights[backend] = torch.load(train_work_dir(cwd / "workspace") / "weights.pt", weights_only=True)
+        MyModel().load_state_dict(weights[backend], strict=True)
+    # The one-line switch trains the same model to the same weights.
+    assert max_abs_difference(weights["fairscale"], weights["torch"]) <= 1e-5
+    checkpoint = train_work_dir(trained["torch"] / "workspace") / "checkpoint_state_latest"
+    assert (checkpoint / "dcp").is_dir()
+
+
+def test_include_package_in_tango_yml(tmp_path: Path) -> None:
+    packages = block_with("yaml", "include_package")
+    assert "- tango_fairscale" in packages
+    (tmp_path / "tango.yml").write_text(packages + "".join(f"  - {p}\n" for p in USER_PACKAGES))
+    (tmp_path / "config.jsonnet").write_text(experiment(TRAIN_SNIPPET))
+    # plan reads tango.yml as tango run does: no -i needed.
+    result = run([sys.executable, "-m", "tango_fairscale", "plan", "config.jsonnet"], tmp_path)
+    assert "transformer.h.2" in result.stdout
+
+
+def test_plan_command(tmp_path: Path) -> None:
+    (line,) = command_lines("bash", "tango_fairscale plan")
+    filled = (
+        line.replace("[--step NAME]", "--step train")
+        .replace("[--world-size N]", "--world-size 4")
+        .replace("[-o OVERRIDES]", "-o '{\"steps.train.model.fsdp_config.reshard_after_forward\": false}'")
+        .replace("[-D KEY=VALUE]", "-D unused=1")
+        .replace("[-i PACKAGE]", " ".join(f"-i {p}" for p in USER_PACKAGES))
+        .replace("[--settings FILE]", "--settings none.yml")
+        .replace("[--json plan.json]", "--json plan.json")
+    )
+    assert "[" not in filled, filled
+    (tmp_path / "none.yml").write_text("include_package: []\n")
+    (tmp_path / "config.jsonnet").write_text(experiment(TRAIN_SNIPPET))
+    result = run([sys.executable if word == "python" else word for word in shlex.split(filled)], tmp_path)
+    assert "transformer.h.0" in result.stdout
+    assert (tmp_path / "plan.json").is_file()
+
+
+def test_plot_commands(trained: Dict[str, Path], tmp_path: Path) -> None:
+    work_dir = train_work_dir(trained["fairscale"] / "workspace")
+    first, second = command_lines("bash", "tango_fairscale plot")
+    run(
+        shlex.split(
+            first.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(work_dir)).replace(
+                "python", sys.executable, 1
+            )
+        ),
+        tmp_path,
+    )
+    assert (work_dir / "metrics.png").stat().st_size > 0
+    run(shlex.split(second.replace("work/", f"{work_dir}/").replace("python", sys.executable, 1)), tmp_path)
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_consolidate_command(backend: str, trained: Dict[str, Path], tmp_path: Path) -> None:
+    work_dir = train_work_dir(trained[backend] / "workspace")
+    (line,) = command_lines("bash", "tango_fairscale consolidate")
+    filled = (
+        line.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(work_dir))
+        .replace("[--optimizer]", "--optimizer")
+        .replace(" [--force]", "")
+        .replace("python", sys.executable, 1)
+    )
+    run(shlex.split(filled), tmp_path)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    MyModel().load_state_dict(full["model"], strict=True)
+    assert max_abs_difference(full["model"], torch.load(work_dir / "weights.pt", weights_only=True)) == 0.0
+    assert set(full["optimizer"]["state"]) == set(full["model"])
+
+
+EXAMPLE = REPO / "examples" / "python_api" / "train.py"
+
+
+def test_python_api_excerpt_is_the_example() -> None:
+    excerpt = block_with("python", "TorchTrainStep(")
+    source = EXAMPLE.read_text()
+    # The README shows the example's own lines (indented one level there), "..." for some left out,
+    # comments its own.
+    code = [line.split("  #")[0].strip() for line in excerpt.strip().splitlines()]
+    assert len(code) > 10
+    for line in code:
+        assert line == "..." or line in source, line
+
+
+@pytest.mark.extended
+def test_python_api_example_runs(tmp_path: Path) -> None:
+    # As the README says: as a script, outside a git repository.
+    example = EXAMPLE
+    shutil.copy(example, tmp_path / "train.py")
+    result = run(
+        [sys.executable, "train.py", "--workspace", "workspace", "--steps", "6"], tmp_path, timeout=400
+    )
+    assert (tmp_path / "workspace").is_dir(), result.stdout
