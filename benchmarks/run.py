@@ -321,6 +321,8 @@ def markdown(
                 ",".join(map(str, args.world_sizes)),
                 *(["--configs", ",".join(args.configs)] if args.configs != list(CONFIGS) else []),
                 *(["--repeats", str(args.repeats)] if args.repeats > 1 else []),
+                *(["--steps", str(args.steps)] if args.steps != (4 if args.quick else 8) else []),
+                *(["--warmup", str(args.warmup)] if args.warmup != (1 if args.quick else 2) else []),
             ]
         )
         + "`",
@@ -342,10 +344,20 @@ def markdown(
         "",
         *targets(records, parameters),
         "",
-        "![memory and step time per configuration](benchmarks.png)",
+        # The chart's path relative to the markdown file's folder (both are usually in docs/).
+        f"![memory and step time per configuration]({chart_link(args)})",
         "",
     ]
     return "\n".join(lines)
+
+
+def chart_link(args: argparse.Namespace) -> str:
+    chart, page = getattr(args, "chart", None), getattr(args, "markdown", None)
+    if chart is None:
+        return "benchmarks.png"
+    if page is None:
+        return Path(chart).name
+    return os.path.relpath(Path(chart).resolve(), Path(page).resolve().parent)
 
 
 #: (world size, metric, limit, what): the project's targets for full sharding (`fsdp`).

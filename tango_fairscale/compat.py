@@ -325,7 +325,11 @@ def _wrap_train_step() -> None:
             )
         if on_fairscale:
             # (b) Across hosts, the world the data is split over is every host's workers.
-            world = {"devices": list(devices) * launch.num_nodes} if launch is not None and devices else {}
+            world: Dict[str, Any] = (
+                {"devices": list(devices) * launch.num_nodes, "hosts": launch.num_nodes}
+                if launch is not None and devices
+                else {}
+            )
             preflight(
                 model=model,
                 training_engine=training_engine,

@@ -32,7 +32,7 @@ from .cpu.memory import limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
 from .launch import HostWorld
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
-from .options import amp_dtype, check_engine_options
+from .options import amp_dtype, check_backend_hosts, check_engine_options
 from .registry import register_training_engine
 from .wrapping import WrapPlan, deferred_wrapping, recorded_plan
 
@@ -163,11 +163,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
         self.hosts = HostWorld.from_environment(os.environ) if train_config.is_distributed else None
-        if self.hosts is not None and backend == "torch":
-            raise ConfigurationError(
-                'training_engine.backend: "torch" does not train across hosts yet (its checkpoints assume '
-                'one work directory); use backend: "fairscale" for a launch across hosts.'
-            )
+        check_backend_hosts(backend, self.hosts.num_nodes if self.hosts is not None else 1)
         if on_cpu:
             limit_cpu_heap_growth()
         if train_config.is_distributed:

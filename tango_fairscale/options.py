@@ -44,6 +44,15 @@ def check_backend(
         check_options(fsdp_config, where=where)
 
 
+def check_backend_hosts(backend: Any, hosts: int) -> None:
+    """The torch backend trains on one host for now (its checkpoints assume one work directory)."""
+    if backend == "torch" and hosts > 1:
+        raise ConfigurationError(
+            f'{_PREFIX}backend: "torch" does not train across hosts yet (this launch has {hosts}): its '
+            'checkpoints assume one work directory. Use backend: "fairscale" for a launch across hosts.'
+        )
+
+
 def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:
     """The autocast dtype: bfloat16 on CPU workers unless asked otherwise, float16 on GPUs."""
     if amp_use_bfloat16 is None:

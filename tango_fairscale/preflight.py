@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from . import checkpointing
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .options import BACKENDS, check_backend, check_engine_options
+from .options import BACKENDS, check_backend, check_backend_hosts, check_engine_options
 from .wrapping import WRAPPER_TYPE, check_list_option
 
 logger = logging.getLogger(__name__)
@@ -249,10 +249,12 @@ def preflight(
     validation_split: Optional[str] = None,
     validation_dataloader: Any = None,
     work_dir: Optional[Path] = None,
+    hosts: int = 1,
     **step_options: Any,
 ) -> None:
     """
-    All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments.
+    All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments,
+    and the number of ``hosts`` of a launch across hosts.
     A mistake is raised as :class:`PreflightError`, which Tango prints as its message alone.
     """
     try:
@@ -266,6 +268,7 @@ def preflight(
             validation_split=validation_split,
             validation_dataloader=validation_dataloader,
             work_dir=work_dir,
+            hosts=hosts,
             **step_options,
         )
     except PreflightError:
@@ -290,6 +293,7 @@ def _preflight(
     validation_split: Optional[str],
     validation_dataloader: Any,
     work_dir: Optional[Path],
+    hosts: int = 1,
     **step_options: Any,
 ) -> None:
     engine = _params_of(training_engine)
@@ -297,6 +301,7 @@ def _preflight(
     world_size = len(devices)
     check_counts(step_options)
     fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices))
+    check_backend_hosts(engine.get("backend", "fairscale"), hosts)
     if engine.get("accumulate_grads_locally") is True and step_options.get("grad_accum", 1) == 1:
         warnings.warn(
             "training_engine.accumulate_grads_locally has no effect with grad_accum 1: every batch is the "

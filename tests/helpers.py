@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -160,3 +162,45 @@ def load_weights(workspace: Path) -> Dict[str, torch.Tensor]:
 def max_abs_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"different keys: {sorted(a.keys() ^ b.keys())}"
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def kill_after_checkpoint(
+    config: Dict[str, Any], workspace: Path, cwd: Path, checkpoint: str = "checkpoint_state_step6"
+) -> Path:
+    """
+    Start ``tango run`` on ``config`` and SIGKILL it (the main process and every worker) as soon
+    as ``checkpoint_state_latest`` points at ``checkpoint``; return the step's work directory.
+    Tango moves the link only after the engine's save_checkpoint returned (the marker is
+    written inside it), so a rerun must resume from that checkpoint or a later one.
+    """
+    process = subprocess.Popen(
+        tango_command(config, workspace, cwd),
+        cwd=cwd,
+        env=tango_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not _latest_is(workspace, checkpoint):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"checkpoint_state_latest did not point at {checkpoint} within 240 s")
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    work_dir = train_work_dir(workspace)
+    assert not (work_dir / "weights.pt").exists(), "the run finished before it was killed"
+    return work_dir
+
+
+def _latest_is(workspace: Path, checkpoint: str) -> bool:
+    for link in workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"):
+        try:
+            return os.path.basename(os.readlink(link)) == checkpoint
+        except OSError:  # replaced right now: look again
+            return False
+    return False

@@ -4,14 +4,11 @@ different number of workers, refusing pickles, and offline consolidation.
 """
 
 import json
-import os
 import pickle
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -22,11 +19,10 @@ from examples.toy.components import ToyRegressor
 from tango_fairscale import CheckpointError, checkpointing, consolidation
 from tests.helpers import (
     REPO,
+    kill_after_checkpoint,
     load_weights,
     max_abs_difference,
     run_tango,
-    tango_command,
-    tango_env,
     train_config,
     train_work_dir,
 )
@@ -74,15 +70,6 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
     return run
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
@@ -90,35 +77,7 @@ def test_sigkill_after_checkpoint_then_rerun_matches(
     uninterrupted = uninterrupted_runs(backend)
     config = kill_config(backend)
     cwd, workspace = tmp_path / "cwd", tmp_path / "ws"
-    process = subprocess.Popen(
-        tango_command(config, workspace, cwd),
-        cwd=cwd,
-        env=tango_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-
-        def latest_is_step6() -> bool:
-            # Tango points checkpoint_state_latest at a checkpoint only after the engine's
-            # save_checkpoint returned (the marker is written inside it): kill once the link
-            # has moved, so that the re-run must resume from step 6 or later.
-            for link in workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"):
-                try:
-                    return os.path.basename(os.readlink(link)) == "checkpoint_state_step6"
-                except OSError:  # replaced right now: look again
-                    return False
-            return False
-
-        wait_for(latest_is_step6, 240, "checkpoint_state_latest to point at the step-6 checkpoint")
-        os.killpg(process.pid, signal.SIGKILL)  # the main process and both workers
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    work_dir = train_work_dir(workspace)
-    assert not (work_dir / "weights.pt").exists(), "the run finished before it was killed"
+    work_dir = kill_after_checkpoint(config, workspace, cwd)
     losses_before = json.loads((work_dir / "losses.json").read_text())
 
     result = run_tango(config, workspace, cwd=cwd)

@@ -16,11 +16,10 @@ import torch
 
 from tango_fairscale import checkpointing
 from tests.helpers import (
+    kill_after_checkpoint,
     load_weights,
     max_abs_difference,
     run_tango,
-    tango_command,
-    tango_env,
     toy_model,
     train_config,
     train_work_dir,
@@ -46,33 +45,7 @@ def test_dropout_resume_after_kill_without_latest_link_matches(tmp_path: Path) -
     uninterrupted = load_weights(tmp_path / "plain" / "ws")
 
     cwd, workspace = tmp_path / "killed" / "cwd", tmp_path / "killed" / "ws"
-    process = subprocess.Popen(
-        tango_command(dropout_config(), workspace, cwd),
-        cwd=cwd,
-        env=tango_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            links = list(workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_latest"))
-            try:
-                if links and os.path.basename(os.readlink(links[0])) == "checkpoint_state_step6":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.02)
-        else:
-            raise AssertionError("no step-6 checkpoint within 240 s")
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    work_dir = train_work_dir(workspace)
-    assert not (work_dir / "weights.pt").exists(), "the run finished before it was killed"
+    work_dir = kill_after_checkpoint(dropout_config(), workspace, cwd)
     # What a kill between Tango's unlink and symlink leaves: no latest link at all.
     (work_dir / "checkpoint_state_latest").unlink()
 

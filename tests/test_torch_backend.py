@@ -705,3 +705,14 @@ def test_each_backend_refuses_the_others_checkpoint(tmp_path: Path) -> None:
         with pytest.raises(ConfigurationError, match="training_engine.resume_from_checkpoint: .*" + expected):
             check_engine({"backend": other, "resume_from_checkpoint": str(directory)}, 2, None, True)
         check_engine({"backend": backend, "resume_from_checkpoint": str(directory)}, 2, None, True)
+
+
+def test_torch_backend_is_refused_across_hosts() -> None:
+    from tango_fairscale.options import check_backend_hosts
+
+    check_backend_hosts("torch", 1)
+    check_backend_hosts("fairscale", 2)
+    with pytest.raises(
+        ConfigurationError, match=r'backend: "torch" does not train across hosts yet \(this launch has 2\)'
+    ):
+        check_backend_hosts("torch", 2)
