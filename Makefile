@@ -43,7 +43,8 @@ demo-toy: install
 # adds: the memory-budget example (marked `capacity`: minutes under a per-worker memory limit), the
 # two-host runs between network namespaces (marked `netns`: they need root; the same tests run
 # over loopback in `make test`), and further variants of tests that `make test` runs in one
-# variant (marked `extended`: e.g. resharding to 4 workers besides 3, every benchmark config).
+# variant (marked `extended`: e.g. resharding to 4 workers besides 3, every benchmark config;
+# the README lists them).
 test: install
 	$(BIN)/python -m pytest -q -m "not capacity and not netns and not extended" $(PYTEST_ARGS)
 

@@ -9,13 +9,15 @@ from typing import Any, Dict
 
 import torch
 from tango.integrations.torch import Model, TrainCallback, TrainingEngine
-from torch.distributed.tensor import DTensor
 
 from tango_fairscale import FairScaleTrainingEngine
 
 
 def local(value: Any) -> Any:
     """This worker's part of a DTensor; anything else as it is."""
+    # Imported here: torch.distributed.tensor costs every process that loads this module a second.
+    from torch.distributed.tensor import DTensor
+
     return value.to_local() if isinstance(value, DTensor) else value
 
 

@@ -302,7 +302,7 @@ def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path
 
 @pytest.mark.parametrize(
     "marker_lists_files",
-    [True, pytest.param(False, marks=pytest.mark.extended)],
+    [pytest.param(True, marks=pytest.mark.extended), pytest.param(False, marks=pytest.mark.extended)],
     ids=["marker-lists-files", "older-marker"],
 )
 def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(

@@ -114,6 +114,7 @@ def test_file_of_another_step_fails_fast_without_hanging(saved_run: Path, tmp_pa
     assert result.elapsed < 60, result.elapsed  # type: ignore[attr-defined]
 
 
+@pytest.mark.extended
 def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path) -> None:
     import shutil
 

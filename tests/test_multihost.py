@@ -389,6 +389,7 @@ def test_two_hosts_train_as_one_host_with_four_workers(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_lost_host_ends_the_others_and_a_rerun_resumes(
     network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

@@ -62,6 +62,7 @@ def lm_config(
     }
 
 
+@pytest.mark.extended
 def test_gpt2_class_auto_wrap_matches_ddp(tmp_path: Path) -> None:
     model = {"type": "test::hf_gpt2", **GPT2}
     run_tango(lm_config(model, "torch", None), tmp_path / "ddp", cwd=tmp_path / "c1", includes=INCLUDE)
