@@ -204,3 +204,21 @@ def _latest_is(workspace: Path, checkpoint: str) -> bool:
         except OSError:  # replaced right now: look again
             return False
     return False
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (children, their children, ...), read from /proc in one pass."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # exited meanwhile
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found

@@ -28,6 +28,7 @@ from tango.integrations.torch import TrainConfig
 from tango_fairscale import checkpointing, multihost
 from tango_fairscale.engine import _start_process_group
 from tests.helpers import (
+    descendants,
     load_weights,
     max_abs_difference,
     run_tango,
@@ -114,24 +115,6 @@ def test_collective_timeout_is_checked(timeout: Any, message: str, tmp_path: Pat
 # --- Two hosts on this machine --------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> List[int]:
-    """``pid`` and every process below it (from /proc)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += children.get(current, [])
-    return found
-
-
 def _kill(pids: List[int]) -> None:
     for pid in pids:
         try:
@@ -158,7 +141,7 @@ class Network:
                 ["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True, check=True
             ).stdout.split()
             return [int(pid) for pid in listed]
-        return _descendants(launcher_pid)
+        return [launcher_pid, *descendants(launcher_pid)]
 
 
 @pytest.fixture(scope="module")

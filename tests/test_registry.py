@@ -39,30 +39,22 @@ def test_misspelt_type_elsewhere_gets_tangos_not_registered_error() -> None:
     # An unknown name makes Tango import every bundled integration. Its transformers
     # integration needs the `datasets` package whenever `transformers` is installed (as with
     # our examples extra), which is unrelated to the clash tested here: hide transformers.
-    script = """
-import sys
-sys.modules["transformers"] = None
-import tango_fairscale
-from tango.common.exceptions import RegistryKeyError
-from tango.integrations.torch import Optimizer
-try:
-    Optimizer.resolve_class_name("torch::Adamm")
-except RegistryKeyError as error:
-    print("REGISTRY:", error)
-"""
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert "REGISTRY: 'torch::Adamm' is not a registered name for 'Optimizer'" in result.stdout
+    assert_typo_gets_tango_answer('import sys\nsys.modules["transformers"] = None\n')
 
 
 def test_misspelt_type_with_transformers_but_no_datasets() -> None:
     # The environment `make` builds has transformers (examples extra) and no `datasets`, which
     # Tango's transformers integration needs: the typo must still get Tango's own answer.
-    script = """
-import importlib.util
-assert importlib.util.find_spec("transformers") is not None
+    assert_typo_gets_tango_answer(
+        'import importlib.util\nassert importlib.util.find_spec("transformers") is not None\n'
+    )
+
+
+def assert_typo_gets_tango_answer(preamble: str) -> None:
+    """In a fresh process that runs ``preamble`` first, a misspelt optimizer gets Tango's registry error."""
+    script = (
+        preamble
+        + """
 import tango_fairscale
 from tango.common.exceptions import RegistryKeyError
 from tango.integrations.torch import Optimizer
@@ -71,6 +63,7 @@ try:
 except RegistryKeyError as error:
     print("REGISTRY:", error)
 """
+    )
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
     )

@@ -10,35 +10,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
-from tests.helpers import tango_command, tango_env, train_config
+from tests.helpers import descendants, tango_command, tango_env, train_config
 
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> List[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _descendants(pid: int) -> List[int]:
-    found, todo = [], _children(pid)
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += _children(current)
-    return found
 
 
 def _running(pid: int) -> bool:
@@ -80,7 +57,7 @@ def test_signal_to_the_main_process_stops_every_worker(signum: int, exit_code: i
             assert main.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
-        workers = _descendants(main.pid)
+        workers = descendants(main.pid)
         assert len(workers) >= 2, workers  # the 2 workers (and multiprocessing's resource tracker)
         sent = time.monotonic()
         os.kill(main.pid, signum)
@@ -94,7 +71,7 @@ def test_signal_to_the_main_process_stops_every_worker(signum: int, exit_code: i
     finally:
         if main.poll() is None:
             main.kill()
-        for pid in _descendants(main.pid):
+        for pid in descendants(main.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
