@@ -26,13 +26,13 @@ from tango.integrations.torch import (
 
 from . import checkpointing, consolidation, multihost
 from .checkpointing import random_state
-from .checkpointing.formats import check_written_by
+from .checkpointing.formats import check_written_by, dcp_files_of_worker, holds_worker_files
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
 from .launch import HostWorld
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
-from .options import amp_dtype, check_backend_hosts, check_engine_options
+from .options import amp_dtype, check_engine_options
 from .registry import register_training_engine
 from .wrapping import WrapPlan, deferred_wrapping, recorded_plan
 
@@ -110,6 +110,14 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         until the last micro-batch each worker holds full-size (unsharded) gradients of the whole
         model, as DDP does, instead of its shard of them. The result is the same up to the order
         of floating-point summation.
+    :param hybrid_sharding:
+        With ``backend: "torch"`` in a launch across hosts: shard each unit's parameters across the
+        workers of each host only, and replicate them across hosts (HSDP, a 2-D device mesh). The
+        all-gathers of every forward and backward pass then stay within a host; across hosts go
+        the gradients only (one all-reduce per unit), at the cost of each host holding a whole
+        copy of the sharded state: parameters, gradients and optimizer state take ``hosts`` times
+        the memory per worker of full sharding. The result is the same up to the order of
+        floating-point summation. On one host it changes nothing.
     :param verify_checkpoints:
         Check the SHA-256 of every checkpoint file against the marker before resuming from it
         (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
@@ -133,9 +141,12 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         verify_checkpoints: bool = True,
         backend: str = "fairscale",
         accumulate_grads_locally: bool = False,
+        hybrid_sharding: bool = False,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.fsdp_config = fsdp_config or FSDPConfig()
+        #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
+        self.hosts = HostWorld.from_environment(os.environ) if train_config.is_distributed else None
         check_engine_options(
             distributed=train_config.is_distributed,
             device_count=len(train_config.devices or [None]),
@@ -146,6 +157,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             fsdp_config=self.fsdp_config,
             backend=backend,
             accumulate_grads_locally=accumulate_grads_locally,
+            hybrid_sharding=hybrid_sharding,
+            hosts=self.hosts.num_nodes if self.hosts is not None else 1,
             # Once per run, not once per worker.
             warn=train_config.worker_id == 0,
         )
@@ -161,9 +174,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.verify_checkpoints = verify_checkpoints
         #: Generator states of the checkpoint resumed from, for RestoreRandomState.
         self.loaded_random_state: Optional[Dict[str, Any]] = None
-        #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
-        self.hosts = HostWorld.from_environment(os.environ) if train_config.is_distributed else None
-        check_backend_hosts(backend, self.hosts.num_nodes if self.hosts is not None else 1)
+        self.hybrid_sharding = hybrid_sharding
         if on_cpu:
             limit_cpu_heap_growth()
         if train_config.is_distributed:
@@ -375,7 +386,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         plan, unit_config = recorded_plan(model)
         if plan is None:  # not built by with_wrapped_modules: FSDP on the root only
             plan = WrapPlan(selected=(), checkpointed=frozenset(), fsdp=False)
-        mesh = make_mesh(self.train_config.world_size)
+        # Hybrid sharding: a 2-D mesh, shards within each host, replicas across hosts.
+        hosts = self.hosts.num_nodes if self.hosts is not None and self.hybrid_sharding else 1
+        mesh = make_mesh(self.train_config.world_size, hosts)
+        if self.train_config.worker_id == 0:
+            logger.info(
+                "Sharding over the device mesh %s %s",
+                mesh.mesh_dim_names,
+                " x ".join(str(size) for size in mesh.shape),
+            )
         return shard_model(model, plan, unit_config, self.fsdp_config, mesh)  # type: ignore[return-value]
 
     def clip_grad_norm(self) -> None:
@@ -472,7 +491,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 "digests": {name: digest for part in everyone for name, digest in part.items()},
             }
             if self.hosts is not None:
-                multihost.link_other_hosts_files(checkpoint_dir, self.hosts, sorted(states))
+                multihost.link_other_hosts_files(checkpoint_dir, self.hosts, extra)
                 extra.update(multihost.part_description(self.hosts))
             checkpointing.write_marker(checkpoint_dir, world_size=self.train_config.world_size, extra=extra)
         # Every host's marker is written before any host goes on (and removes its older
@@ -488,15 +507,21 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             **self._replicated_states(),
             "random_state": random_state.capture(),
         }
+        hosts = self.hosts
         fields = save_sharded(
             checkpoint_dir,
             self.model,
             self.optimizer,
             extra_states,
             step=client_state.get("training_steps"),
+            node_of_rank=None if hosts is None else [hosts.node_of(r) for r in range(hosts.world_size)],
         )
-        # save_sharded gathered every worker's digests, so every file is on disk.
-        if self.train_config.worker_id == 0:
+        # save_sharded gathered every worker's digests, so every file is on disk. As for the
+        # fairscale backend, each host's first worker marks its host's directory.
+        if self.train_config.is_local_main_process:
+            if hosts is not None:
+                multihost.link_other_hosts_files(checkpoint_dir, hosts, fields)
+                fields.update(multihost.part_description(hosts))
             checkpointing.write_marker(checkpoint_dir, world_size=fields["world_size"], extra=fields)
         dist.barrier()
 
@@ -644,8 +669,12 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         """The torch backend: DCP reads each worker's part of the saved shards, for any number of workers."""
         from .backends.torch_fsdp_checkpoint import load_sharded
 
-        marker = checkpointing.require_complete(checkpoint_dir)
-        states = load_sharded(checkpoint_dir, self.model, self.optimizer, hashes=self.verify_checkpoints)
+        try:
+            states = load_sharded(checkpoint_dir, self.model, self.optimizer, hashes=self.verify_checkpoints)
+        except checkpointing.CheckpointError as error:
+            raise self._explain_part(error, checkpoint_dir) from None
+        marker = checkpointing.read_marker(checkpoint_dir)
+        assert marker is not None  # load_sharded checked it
         resharded = marker["world_size"] != self.train_config.world_size
         if resharded:
             logger.info(
@@ -679,25 +708,30 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
         if marker is not None:
             check_written_by(checkpoint_dir, marker, "fairscale")
-        across_hosts = self.hosts is not None
-        if across_hosts and marker is not None and marker["world_size"] == self.train_config.world_size:
-            names = checkpointing.saved_file_names(marker)
-            if all(
-                checkpointing.worker_file(checkpoint_dir, self.train_config.worker_id, n).is_file()
-                for n in names
+            if self.hosts is not None and holds_worker_files(
+                checkpoint_dir, marker, self.train_config.world_size, self.train_config.worker_id
             ):
                 return marker
         try:
             return checkpointing.require_complete(checkpoint_dir)
         except checkpointing.CheckpointError as error:
-            part = multihost.describe_part(marker) if marker is not None else None
-            if part is None:
-                raise
-            raise checkpointing.CheckpointError(
-                f"{error} It is {part}: resume it with the same hosts and device_count, or copy every "
-                "host's worker*.pt files of it into one directory to resume it elsewhere (on a shared "
-                "filesystem each host's checkpoints are complete already)."
-            ) from None
+            raise self._explain_part(error, checkpoint_dir) from None
+
+    @staticmethod
+    def _explain_part(error: Exception, checkpoint_dir: Path) -> Exception:
+        """``error``, saying how to resume a checkpoint when it is a host's part of one across hosts."""
+        try:
+            marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
+        except checkpointing.CheckpointError:
+            marker = None
+        part = multihost.describe_part(marker) if marker is not None else None
+        if part is None:
+            return error
+        return checkpointing.CheckpointError(
+            f"{error} It is {part}: resume it with the same hosts and device_count, or copy every "
+            "host's worker files of it (worker*.pt, and dcp/ for the torch backend) into one directory "
+            "to resume it elsewhere (on a shared filesystem each host's checkpoints are complete already)."
+        )
 
     def _trainer_state_from_another_run(self, state: Dict[str, Any]) -> Dict[str, Any]:
         # A checkpoint of another run (resume_from_checkpoint) brings its step count, but its
@@ -713,7 +747,17 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
         checkpoint_dir = Path(checkpoint_dir).resolve()
-        if self.hosts is not None:
+        if self.hosts is not None and self.backend == "torch":
+            from .backends.torch_fsdp_checkpoint import consolidate_dcp_part
+
+            # As below, with DCP's data files: each host's first worker gets those it lacks.
+            marker = checkpointing.read_marker(checkpoint_dir) or {}
+            # One data file per worker (save_sharded writes single_file_per_rank).
+            received = multihost.receive_missing_files(
+                checkpoint_dir, self.hosts, lambda rank: next(iter(dcp_files_of_worker(marker, rank)), None)
+            )
+            full_state = consolidate_dcp_part(checkpoint_dir, received)
+        elif self.hosts is not None:
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
             shards = multihost.gather_model_shards(checkpoint_dir, self.hosts)

@@ -36,12 +36,13 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import checkpointing
+from .checkpointing.formats import files_of_worker, holds_worker_files
 from .errors import CheckpointError
 from .launch import HostWorld
 
@@ -89,11 +90,7 @@ def resumable_steps(work_dir: Path, world_size: int, rank: int) -> Dict[int, str
             continue
         if marker is None:
             continue
-        own_files = marker["world_size"] == world_size and all(
-            checkpointing.worker_file(path, rank, name).is_file()
-            for name in checkpointing.saved_file_names(marker)
-        )
-        if own_files or checkpointing.is_complete(path):
+        if holds_worker_files(path, marker, world_size, rank) or checkpointing.is_complete(path):
             steps[step] = str(marker.get(PART_KEY, {}).get("attempt", ""))
     return steps
 
@@ -112,22 +109,23 @@ def agree(per_worker: Sequence[Mapping[int, str]]) -> Optional[int]:
     return None
 
 
-def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, names: Sequence[str]) -> bool:
+def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, fields: Mapping[str, Any]) -> bool:
     """
-    From each host whose work directory this one reads (``world.visible``): hard-link their files ``names``
-    of this checkpoint into ``checkpoint_dir``, which is then complete. Call after every worker
-    has written its files. Returns ``False`` (and links nothing more) when a host's files cannot
-    be linked (another filesystem, no permission): the checkpoint stays this host's part.
+    From each host whose work directory this one reads (``world.visible``): hard-link their
+    workers' files of this checkpoint (those the marker ``fields`` list for them, either
+    backend's) into ``checkpoint_dir``, which is then complete. Call after every worker has
+    written its files. Returns ``False`` (and links nothing more) when a host's files cannot be
+    linked (another filesystem, no permission): the checkpoint stays this host's part.
     """
     checkpoint_dir = Path(checkpoint_dir)
+    directories = set()
     for node, info in enumerate(world.hosts):
         if node == world.node_rank or not world.visible[node]:
             continue
         source_dir = Path(info.work_dir) / checkpoint_dir.name
         for rank in world.ranks_of(node):
-            for name in names:
-                source = checkpointing.worker_file(source_dir, rank, name)
-                target = checkpointing.worker_file(checkpoint_dir, rank, name)
+            for name in files_of_worker(fields, rank):
+                source, target = source_dir / name, checkpoint_dir / name
                 temporary = target.with_name(f".{target.name}.{os.getpid()}.link")
                 try:
                     temporary.unlink(missing_ok=True)
@@ -143,28 +141,83 @@ def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, names: Sequen
                         error,
                     )
                     return False
-    checkpointing.fsync_directory(checkpoint_dir)
+                directories.add(target.parent)
+    for directory in directories:
+        checkpointing.fsync_directory(directory)
     return True
 
 
 def gather_model_shards(checkpoint_dir: Path, world: HostWorld) -> List[Dict[str, Any]]:
     """
-    Every worker's model state of the checkpoint, on the first worker of each host (call it on
-    each of them, and only there: it exchanges point-to-point with the others only). Files this
-    host has are read here; the others are sent by the first worker of the host that wrote them.
+    Every worker's model state of a fairscale-backend checkpoint, on the first worker of each
+    host (call it on each of them, and only there: it exchanges point-to-point with the others
+    only). Files this host has are read here; the others are sent by the first worker of the
+    host that wrote them (:func:`receive_missing_files`).
     """
     checkpoint_dir = Path(checkpoint_dir)
-    world_size, me = world.world_size, world.global_rank(0)
+    received = receive_missing_files(
+        checkpoint_dir, world, lambda rank: checkpointing.worker_file(Path(), rank, "model").name
+    )
+    marker = _marker(checkpoint_dir)
+    shards = []
+    for rank in range(world.world_size):
+        path = checkpointing.worker_file(checkpoint_dir, rank, "model")
+        if path.name in received:
+            origin = f"{path.name} of {checkpoint_dir.name}, sent by {world.describe(world.node_of(rank))}"
+            try:
+                state = torch.load(io.BytesIO(received.pop(path.name)), map_location="cpu", weights_only=True)
+            except Exception as error:  # noqa: BLE001 - weights_only refusals and damaged files alike
+                raise CheckpointError(f"Cannot read {origin}: {type(error).__name__}: {error}") from None
+            shards.append(
+                checkpointing.without_header(
+                    state,
+                    path,
+                    kind="model",
+                    rank=rank,
+                    world_size=marker["world_size"],
+                    step=marker.get("training_steps"),
+                )
+            )
+        else:
+            shards.append(checkpointing.read_worker_state(checkpoint_dir, marker, rank, "model"))
+    if world.global_rank(0) == 0:
+        logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
+    return shards
+
+
+def _marker(checkpoint_dir: Path) -> Dict[str, Any]:
+    marker = checkpointing.read_marker(checkpoint_dir)
+    if marker is None:
+        raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
+    return marker
+
+
+def receive_missing_files(
+    checkpoint_dir: Path, world: HostWorld, file_of: Callable[[int], Optional[str]]
+) -> Dict[str, bytes]:
+    """
+    The file ``file_of(rank)`` (relative to the checkpoint; ``None`` for a worker without one) of
+    every worker whose file this host lacks, sent by the first worker of the host that wrote it,
+    as ``{name: contents}``, each
+    checked against the size and SHA-256 in this host's marker (which lists every worker's
+    files). Call it on the first worker of every host, and only there: it exchanges
+    point-to-point with the others only. This host sends the files of its own workers that
+    another host lacks.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    world_size = world.world_size
+    names = {rank: file_of(rank) for rank in range(world_size)}
+    files = {rank: name for rank, name in names.items() if name is not None}
     leaders = {node: world.global_rank(0, node) for node in range(world.num_nodes) if node != world.node_rank}
     have = torch.tensor(
-        [checkpointing.worker_file(checkpoint_dir, r, "model").is_file() for r in range(world_size)],
+        [rank not in files or (checkpoint_dir / files[rank]).is_file() for rank in range(world_size)],
         dtype=torch.uint8,
     )
-    # 1. Which model files each host holds.
+    # 1. Which files each host holds.
     held = {node: torch.zeros(world_size, dtype=torch.uint8) for node in leaders}
     works = [dist.isend(have, leader) for leader in leaders.values()]
     works += [dist.irecv(held[node], leader) for node, leader in leaders.items()]
-    _wait(works, "exchange which model files each host holds")
+    _wait(works)
     # 2. Each host sends the files of its own workers that another host lacks. Sends are
     # asynchronous, so that two hosts sending to each other cannot wait on each other.
     outgoing: List[torch.Tensor] = []
@@ -173,8 +226,7 @@ def gather_model_shards(checkpoint_dir: Path, world: HostWorld) -> List[Dict[str
         for rank in world.ranks_of(world.node_rank):
             if not held[node][rank]:
                 payload = torch.frombuffer(
-                    bytearray(checkpointing.worker_file(checkpoint_dir, rank, "model").read_bytes()),
-                    dtype=torch.uint8,
+                    bytearray((checkpoint_dir / files[rank]).read_bytes()), dtype=torch.uint8
                 )
                 size = torch.tensor([payload.numel()], dtype=torch.int64)
                 outgoing += [size, payload]
@@ -182,70 +234,35 @@ def gather_model_shards(checkpoint_dir: Path, world: HostWorld) -> List[Dict[str
                     dist.isend(size, leader, tag=2 * rank),
                     dist.isend(payload, leader, tag=2 * rank + 1),
                 ]
-    received: Dict[int, torch.Tensor] = {}
+    received: Dict[str, bytes] = {}
     for rank in range(world_size):
         if not have[rank]:
             if world.node_of(rank) == world.node_rank:
-                raise CheckpointError(
-                    f"{checkpointing.worker_file(checkpoint_dir, rank, 'model')} is missing."
-                )
+                raise CheckpointError(f"{checkpoint_dir / files[rank]} is missing.")
             source = world.global_rank(0, world.node_of(rank))
             size = torch.zeros(1, dtype=torch.int64)
             dist.recv(size, source, tag=2 * rank)
-            received[rank] = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(received[rank], source, tag=2 * rank + 1)
-    _wait(works, "send this host's model files")
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(buffer, source, tag=2 * rank + 1)
+            received[files[rank]] = buffer.numpy().tobytes()
+            recorded = (_marker(checkpoint_dir).get("digests") or {}).get(files[rank])
+            data = received[files[rank]]
+            if recorded is not None and (
+                len(data) != recorded["size"] or hashlib.sha256(data).hexdigest() != recorded["sha256"]
+            ):
+                raise CheckpointError(
+                    f"{files[rank]} of {checkpoint_dir.name}, sent by {world.describe(world.node_of(rank))}, "
+                    f"does not match the size and SHA-256 in {checkpoint_dir / checkpointing.MARKER}."
+                )
+    _wait(works)
     del outgoing
-    marker = checkpointing.read_marker(checkpoint_dir)
-    if marker is None:
-        raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
-    shards = []
-    for rank in range(world_size):
-        if rank in received:
-            shards.append(_read_received(received.pop(rank), checkpoint_dir, marker, rank, world))
-        else:
-            shards.append(checkpointing.read_worker_state(checkpoint_dir, marker, rank, "model"))
-    if me == 0:
-        logger.info("Gathered the model files of %d workers on %d hosts", world_size, world.num_nodes)
-    return shards
+    return received
 
 
-def _wait(works: Sequence[Any], what: str) -> None:
+def _wait(works: Sequence[Any]) -> None:
     for work in works:
         if work is not None:
             work.wait()
-
-
-def _read_received(
-    payload: torch.Tensor, checkpoint_dir: Path, marker: Dict[str, Any], rank: int, world: HostWorld
-) -> Any:
-    """
-    A model file received from another host, checked as the library checks one on disk: its size
-    and SHA-256 against this host's marker (which lists every worker's files), read with
-    ``weights_only``, its header against this checkpoint.
-    """
-    path = checkpointing.worker_file(checkpoint_dir, rank, "model")
-    origin = f"{path.name} of {checkpoint_dir.name}, sent by {world.describe(world.node_of(rank))}"
-    data = payload.numpy().tobytes()
-    recorded = (marker.get("digests") or {}).get(path.name)
-    if recorded is not None and (
-        len(data) != recorded["size"] or hashlib.sha256(data).hexdigest() != recorded["sha256"]
-    ):
-        raise CheckpointError(
-            f"{origin} does not match the size and SHA-256 in {checkpoint_dir / checkpointing.MARKER}."
-        )
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - weights_only refusals and damaged files alike
-        raise CheckpointError(f"Cannot read {origin}: {type(error).__name__}: {error}") from None
-    return checkpointing.without_header(
-        state,
-        path,
-        kind="model",
-        rank=rank,
-        world_size=marker["world_size"],
-        step=marker.get("training_steps"),
-    )
 
 
 def describe_part(marker: Mapping[str, Any]) -> Optional[str]:

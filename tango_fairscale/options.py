@@ -44,15 +44,6 @@ def check_backend(
         check_options(fsdp_config, where=where)
 
 
-def check_backend_hosts(backend: Any, hosts: int) -> None:
-    """The torch backend trains on one host for now (its checkpoints assume one work directory)."""
-    if backend == "torch" and hosts > 1:
-        raise ConfigurationError(
-            f'{_PREFIX}backend: "torch" does not train across hosts yet (this launch has {hosts}): its '
-            'checkpoints assume one work directory. Use backend: "fairscale" for a launch across hosts.'
-        )
-
-
 def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:
     """The autocast dtype: bfloat16 on CPU workers unless asked otherwise, float16 on GPUs."""
     if amp_use_bfloat16 is None:
@@ -71,6 +62,8 @@ def check_engine_options(
     fsdp_config: Optional[FSDPConfig] = None,
     backend: Any = "fairscale",
     accumulate_grads_locally: Any = False,
+    hybrid_sharding: Any = False,
+    hosts: int = 1,
     warn: bool = True,
 ) -> None:
     """
@@ -83,9 +76,20 @@ def check_engine_options(
         ("amp", amp),
         ("amp_use_bfloat16", amp_use_bfloat16),
         ("accumulate_grads_locally", accumulate_grads_locally),
+        ("hybrid_sharding", hybrid_sharding),
     ):
         if value is not None and not isinstance(value, bool):
             raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")
+    if hybrid_sharding and backend != "torch":
+        raise ConfigurationError(
+            f'{_PREFIX}hybrid_sharding: true needs backend: "torch" (FairScale\'s FSDP shards across all '
+            'workers only). Set backend: "torch", or remove hybrid_sharding.'
+        )
+    if warn and hybrid_sharding and hosts == 1:
+        logger.info(
+            "hybrid_sharding: one host, so every parameter is sharded across all %d workers (no replicas).",
+            device_count,
+        )
     if max_grad_norm is not None and (
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0
     ):

@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from . import checkpointing
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .options import BACKENDS, check_backend, check_backend_hosts, check_engine_options
+from .options import BACKENDS, check_backend, check_engine_options
 from .wrapping import WRAPPER_TYPE, check_list_option
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ def uses_fairscale_engine(training_engine: Any) -> bool:
 
 
 def check_engine(
-    engine: Dict[str, Any], device_count: int, work_dir: Optional[Path] = None, on_cpu: bool = False
+    engine: Dict[str, Any],
+    device_count: int,
+    work_dir: Optional[Path] = None,
+    on_cpu: bool = False,
+    hosts: int = 1,
 ) -> Optional[FSDPConfig]:
     """Validate the engine's options; return its FSDP config (if given)."""
     fsdp_config = None
@@ -72,6 +76,8 @@ def check_engine(
         fsdp_config=fsdp_config,
         backend=engine.get("backend", "fairscale"),
         accumulate_grads_locally=engine.get("accumulate_grads_locally", False),
+        hybrid_sharding=engine.get("hybrid_sharding", False),
+        hosts=hosts,
         warn=False,
     )
     source = engine.get("resume_from_checkpoint")
@@ -300,8 +306,7 @@ def _preflight(
     devices = list(devices or [])
     world_size = len(devices)
     check_counts(step_options)
-    fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices))
-    check_backend_hosts(engine.get("backend", "fairscale"), hosts)
+    fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts)
     if engine.get("accumulate_grads_locally") is True and step_options.get("grad_accum", 1) == 1:
         warnings.warn(
             "training_engine.accumulate_grads_locally has no effect with grad_accum 1: every batch is the "

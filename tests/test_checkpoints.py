@@ -37,6 +37,10 @@ CALLBACKS: List[Dict[str, Any]] = [
 
 
 BACKENDS = ["fairscale", "torch"]
+#: The torch backend's end-to-end kill-and-rerun and resharding runs are extended: make test covers
+#: them with its two-host run (a host killed, each host resuming its DCP part:
+#: test_multihost.py) and DCP's resharding at library level (test_torch_backend.py).
+BACKENDS_CI = ["fairscale", pytest.param("torch", marks=pytest.mark.extended)]
 
 
 def backend_engine(backend: str, **extra: Any) -> Dict[str, Any]:
@@ -70,7 +74,7 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
     return run
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_CI)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -183,7 +187,7 @@ def resume_on(workers: int, source: Path, tmp_path: Path, backend: str = "fairsc
     return train_work_dir(tmp_path / "ws")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_CI)
 @pytest.mark.parametrize("workers", [3, pytest.param(4, marks=pytest.mark.extended)])
 def test_resume_on_another_world_size(
     workers: int, backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path

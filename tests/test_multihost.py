@@ -25,7 +25,7 @@ import torch
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainConfig
 
-from tango_fairscale import checkpointing, multihost
+from tango_fairscale import checkpointing, consolidation, multihost
 from tango_fairscale.engine import _start_process_group
 from tests.helpers import (
     descendants,
@@ -102,6 +102,31 @@ def test_resumable_steps_of_a_host(tmp_path: Path) -> None:
         multihost.describe_part(marker)
         == "host 1's part of a checkpoint written by 2 hosts (workers 2-3 of 4)"
     )
+
+
+def test_a_part_resumed_elsewhere_says_how_to_gather_it(tmp_path: Path) -> None:
+    from tango_fairscale.engine import FairScaleTrainingEngine
+
+    part = _fake_checkpoint(tmp_path, 3, [2, 3], 4, "a")
+    # Torch-backend files are a worker's too: its DCP data file.
+    torch_part = _fake_checkpoint(tmp_path / "torch", 3, [2, 3], 4, "a")
+    marker = checkpointing.read_marker(torch_part)
+    assert marker is not None
+    (torch_part / "dcp").mkdir()
+    (torch_part / "dcp" / "__2_0.distcp").write_bytes(b"x")
+    marker["digests"] = {
+        "dcp/__2_0.distcp": {"size": 1, "sha256": "0"},
+        "dcp/__3_0.distcp": {"size": 1, "sha256": "0"},
+    }
+    checkpointing.write_marker(torch_part, 4, {k: v for k, v in marker.items() if k != "world_size"})
+    assert multihost.resumable_steps(tmp_path / "torch", 4, 2) == {3: "a"}
+    assert multihost.resumable_steps(tmp_path / "torch", 4, 3) == {}  # its DCP file is missing
+    for directory in (part, torch_part):
+        with pytest.raises(checkpointing.CheckpointError) as error:
+            checkpointing.require_complete(directory)
+        explained = str(FairScaleTrainingEngine._explain_part(error.value, directory))
+        assert "It is host 1's part of a checkpoint written by 2 hosts (workers 2-3 of 4)" in explained
+        assert "copy every host's worker files of it" in explained
 
 
 @pytest.mark.parametrize(
@@ -493,3 +518,60 @@ def test_two_host_checkpoint_resumes_on_one_host(
         f"resumed {resumed_mean:.4f}"
     )
     assert resumed_mean < 0.5 * first_losses
+
+
+# --- The torch backend (FSDP2, DCP checkpoints) across hosts ----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "hybrid", [pytest.param(False, marks=pytest.mark.extended), True], ids=["full", "hybrid"]
+)
+def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
+    hybrid: bool, loopback: Network, one_host_reference: Dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """
+    Two hosts on separate disks, backend "torch" (fully sharded over the 4 workers, or hybrid:
+    sharded within a host, replicated across hosts). Host 1 is killed after a checkpoint; the
+    same commands again resume from each host's own part of it and end as one host with 4
+    workers does.
+    """
+    experiment = config(engine_extra={"backend": "torch", "hybrid_sharding": hybrid})
+    hosts = Hosts(loopback, tmp_path, "slurm", experiment)
+    hosts.start()
+    hosts.wait_for_checkpoint(6)
+    _kill(hosts.network.processes(1, hosts.processes[1].pid))
+    hosts.processes[1].wait(timeout=30)
+    codes = hosts.wait(timeout=120)
+    assert codes[0] != 0
+    assert "HostLostError" in hosts.output(0), hosts.output(0)[-4000:]
+    name = "hybrid" if hybrid else "full"
+    # Each host's part: its workers' DCP files and extra states, and a DCP metadata of its own.
+    for node, ranks in ((0, [0, 1]), (1, [2, 3])):
+        part = train_work_dir(hosts.workspace(node)) / "checkpoint_state_step6"
+        assert sorted(p.name for p in (part / "dcp").iterdir()) == [
+            ".metadata",
+            *(f"__{r}_0.distcp" for r in ranks),
+        ]
+        assert sorted({int(p.name[6 : p.name.index("_")]) for p in part.glob("worker*.pt")}) == ranks
+        marker = checkpointing.read_marker(part)
+        assert marker is not None and marker["backend"] == "torch" and marker["host"]["workers"] == ranks
+        assert not checkpointing.is_complete(part)
+
+    # The rerun as on a shared filesystem (both workspaces are on this machine's): from now on
+    # each host links the other's files into its checkpoints, which are then complete.
+    hosts.env["TANGO_FAIRSCALE_SHARED_CHECKPOINTS"] = "1"
+    hosts.run()
+    for node in range(2):
+        output = hosts.output(node)
+        assert "Recovering from previous run" in output, output[-4000:]
+        difference = max_abs_difference(_weights(hosts, node), one_host_reference)
+        print(
+            f"[torch, {name}] max |host {node} resumed - one host, 4 workers (fairscale)| = {difference:.3e}"
+        )
+        assert difference <= TOLERANCE
+        final = train_work_dir(hosts.workspace(node)) / f"checkpoint_state_step{TRAIN_STEPS}"
+        assert checkpointing.is_complete(final)
+        assert max_abs_difference(consolidation.consolidate(final), _weights(hosts, node)) == 0.0
+    mesh = "('replicate', 'shard') 2 x 2" if hybrid else "('shard',) 4"
+    assert f"Sharding over the device mesh {mesh}" in hosts.output(0)

@@ -46,6 +46,7 @@ from tango_fairscale.backends.torch_fsdp_checkpoint import (
 )
 from tango_fairscale.errors import CheckpointError
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
+from tango_fairscale.options import check_engine_options
 from tests.helpers import REPO, free_port
 
 STEPS = 4
@@ -202,9 +203,36 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
         # Hybrid sharding trains on: the data-parallel average now spans both mesh dimensions.
         _train_steps(model, optimizer, range(STEPS, STEPS + EXTRA_STEPS), rank, world_size)
         results["continued"] = full_state_dict(model)
+        results["continued_optimizer"] = _full_optimizer_state(model, optimizer)
         parameter = next(model.parameters())
         assert isinstance(parameter, DTensor)
         results["placements"] = str(parameter.placements)
+        # Saved as two hosts with disks of their own: each host's directory gets its workers'
+        # files only, and loads back from them alone (shards and optimizer state replicated
+        # across hosts are in each host's files).
+        per_host = world_size // hosts
+        node_of_rank = [r // per_host for r in range(world_size)]
+        part = out_dir / f"host{node_of_rank[rank]}" / "checkpoint"
+        fields = save_sharded(
+            part,
+            model,
+            optimizer,
+            {"trainer": {"rank": rank}},
+            step=STEPS + EXTRA_STEPS,
+            node_of_rank=node_of_rank,
+        )
+        if rank % per_host == 0:
+            workers = [r for r in range(world_size) if node_of_rank[r] == node_of_rank[rank]]
+            checkpointing.write_marker(
+                part, world_size=world_size, extra={**fields, "host": {"workers": workers}}
+            )
+        dist.barrier()
+        model = _model(seed=7)
+        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), mesh)
+        optimizer = _optimizer(model)
+        results["reloaded_extras"] = load_sharded(part, model, optimizer)
+        results["reloaded"] = full_state_dict(model)
+        results["reloaded_optimizer"] = _full_optimizer_state(model, optimizer)
     torch.save(results, out_dir / f"load{world_size}_rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -609,7 +637,7 @@ def test_checkpoint_of_two_workers_loads_on_three(trained: Path) -> None:
 
 
 @pytest.mark.extended
-def test_checkpoint_loads_on_a_hybrid_mesh_of_two_hosts_and_trains_on(trained: Path) -> None:
+def test_checkpoint_loads_on_a_hybrid_mesh_of_two_hosts_trains_on_and_saves_per_host(trained: Path) -> None:
     saved = _results(trained, "train", 2)[0]
     states, _, _ = _reference(STEPS + EXTRA_STEPS)
     for result in _load_on(trained, 4, hosts=2):
@@ -618,6 +646,21 @@ def test_checkpoint_loads_on_a_hybrid_mesh_of_two_hosts_and_trains_on(trained: P
         assert _max_diff(result["model"], saved["nested_ckpt"]["state"]) == 0.0
         assert _optimizer_diff(result["optimizer"], saved["saved_optimizer"]) == 0.0
         assert _max_diff(result["continued"], states[-1]) < 1e-5
+        assert _max_diff(result["reloaded"], result["continued"]) == 0.0
+        assert _optimizer_diff(result["reloaded_optimizer"], result["continued_optimizer"]) == 0.0
+    for host, ranks in ((0, [0, 1]), (1, [2, 3])):
+        part = trained / f"host{host}" / "checkpoint"
+        assert sorted(p.name for p in (part / "dcp").iterdir()) == [
+            ".metadata",
+            *(f"__{r}_0.distcp" for r in ranks),
+        ]
+        assert not checkpointing.is_complete(part)
+        assert [r["reloaded_extras"]["trainer"]["rank"] for r in _results(trained, "load4", 4)] == [
+            0,
+            1,
+            2,
+            3,
+        ]
 
 
 def test_tampered_checkpoint_is_refused(trained: Path, tmp_path: Path) -> None:
@@ -708,12 +751,20 @@ def test_each_backend_refuses_the_others_checkpoint(tmp_path: Path) -> None:
         check_engine({"backend": backend, "resume_from_checkpoint": str(directory)}, 2, None, True)
 
 
-def test_torch_backend_is_refused_across_hosts() -> None:
-    from tango_fairscale.options import check_backend_hosts
-
-    check_backend_hosts("torch", 1)
-    check_backend_hosts("fairscale", 2)
+def test_hybrid_sharding_needs_the_torch_backend() -> None:
+    common = dict(distributed=True, device_count=2, on_cpu=True, warn=False)
+    check_engine_options(backend="torch", hybrid_sharding=True, hosts=2, **common)
+    check_engine_options(backend="fairscale", hybrid_sharding=False, hosts=2, **common)
     with pytest.raises(
-        ConfigurationError, match=r'backend: "torch" does not train across hosts yet \(this launch has 2\)'
+        ConfigurationError, match=r'training_engine.hybrid_sharding: true needs backend: "torch"'
     ):
-        check_backend_hosts("torch", 2)
+        check_engine_options(backend="fairscale", hybrid_sharding=True, **common)
+    with pytest.raises(
+        ConfigurationError, match="training_engine.hybrid_sharding: expected true or false, got 'yes'"
+    ):
+        check_engine_options(backend="torch", hybrid_sharding="yes", **common)
+    # Pre-flight says so from the config.
+    from tango_fairscale.preflight import check_engine
+
+    with pytest.raises(ConfigurationError, match="hybrid_sharding: true needs"):
+        check_engine({"hybrid_sharding": True}, 2, None, True)

@@ -14,6 +14,14 @@ Layout of a checkpoint directory (``checkpoint_state_step<N>``)::
 
 DCP reshards on load: a checkpoint saved by N workers loads on M (any mesh).
 
+Across hosts, each with its own disk (see :mod:`tango_fairscale.multihost`), each host's directory
+holds its own workers' files and a ``.metadata`` of its own: DCP writes a value that several
+workers hold (an optimizer step count; under hybrid sharding, every shard, held once per host)
+only once, and its one metadata file, on the coordinator's host, names where. Here such a value is
+written once *per host* (:class:`_PerHostSavePlanner`), and every host gets the same index of the
+shards, pointing at its own files wherever it has the value (:class:`_PerHostWriter`): a host's
+part then loads from its own disk when nothing is resharded.
+
 Loading safely. DCP's :class:`~torch.distributed.checkpoint.FileSystemReader` reads tensors with
 ``torch.load(weights_only=True)``, but unpickles ``.metadata`` with plain :func:`pickle.load`,
 and its default planner loads non-tensor values (optimizer hyper-parameters) with
@@ -32,22 +40,30 @@ not authorship: someone who can write the directory can rewrite the marker. (2) 
 keep such a directory from running code; the worst it can do is hold wrong numbers.
 """
 
+import copy
 import io
 import logging
+import os
 import pickle
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -55,15 +71,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import checkpointing
-from ..checkpointing.formats import MARKER_FIELDS, check_written_by, is_torch_checkpoint
+from ..checkpointing.formats import (
+    DCP_DIR,
+    MARKER_FIELDS,
+    check_written_by,
+    holds_worker_files,
+    is_torch_checkpoint,
+)
 from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-#: The subdirectory of a checkpoint that DCP writes into.
-DCP_DIR = "dcp"
 #: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 METADATA_FILE = ".metadata"
 
@@ -135,10 +156,24 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
     verified), so that a path in the metadata cannot reach outside the checkpoint.
     """
 
-    def __init__(self, path: Path, allowed: Set[str]) -> None:
+    def __init__(self, path: Path, allowed: Set[str], verified: Optional[Set[str]] = None) -> None:
         super().__init__(path)
         self._directory = Path(path)
         self._allowed = allowed
+        self._verified = allowed if verified is None else verified
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        # A host's part of a checkpoint across hosts: only this worker's own files were checked,
+        # and they hold all it needs unless the layout changed; never read an unchecked file.
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            if name not in self._verified:
+                raise CheckpointError(
+                    f"{self._directory} is a host's part of a checkpoint across hosts, and loading it here "
+                    f"needs {name}, which another host wrote: resume it with the same hosts and workers, or "
+                    "copy every host's files of it into one directory to load it on others."
+                )
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -202,16 +237,37 @@ def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def _require_torch_marker(checkpoint_dir: Path) -> Dict[str, Any]:
+def _require_torch_marker(
+    checkpoint_dir: Path, rank: Optional[int] = None, world_size: int = 0
+) -> Dict[str, Any]:
+    """
+    The marker of a complete torch-backend checkpoint or, with ``rank``, of one that worker
+    ``rank`` of ``world_size`` workers can load without resharding (a host's part of a checkpoint
+    across hosts); else a :class:`CheckpointError` saying what is wrong.
+    """
     if checkpoint_dir.is_dir() and (checkpoint_dir / DCP_DIR).is_dir():
-        if checkpointing.read_marker(checkpoint_dir) is None:
+        marker = checkpointing.read_marker(checkpoint_dir)
+        if marker is None:
             raise CheckpointError(
                 f"{checkpoint_dir} is an incomplete checkpoint: it has no {checkpointing.MARKER}, so its "
                 "save was interrupted. Use an earlier complete checkpoint."
             )
+        check_written_by(checkpoint_dir, marker, "torch")
+        if rank is not None and holds_worker_files(checkpoint_dir, marker, world_size, rank):
+            return marker
     marker = checkpointing.require_complete(checkpoint_dir)
     check_written_by(checkpoint_dir, marker, "torch")
     return marker
+
+
+def _agree(error: Optional[str]) -> None:
+    """Raise the first worker's error on every worker (none is left waiting in a collective)."""
+    if dist.is_available() and dist.is_initialized():
+        errors: List[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _dcp_files(checkpoint_dir: Path, marker: Mapping[str, Any]) -> List[str]:
@@ -232,29 +288,107 @@ def _dcp_files(checkpoint_dir: Path, marker: Mapping[str, Any]) -> List[str]:
     return [metadata, *names]
 
 
-def _verify_dcp_files(checkpoint_dir: Path, marker: Mapping[str, Any], hashes: bool) -> List[str]:
+def _verify_dcp_files(
+    checkpoint_dir: Path, marker: Mapping[str, Any], hashes: bool
+) -> Tuple[Set[str], Set[str]]:
     """
-    Check every DCP file against the marker, the work split across the workers when there is a
-    process group (each hashes its share; all learn every failure), and return the files' names
-    relative to the DCP directory.
+    Check the DCP files this worker may read against the marker. In a complete checkpoint that
+    is every file, the work split across the workers when there is a process group (each hashes
+    its share); in a host's part, the metadata and the files of the host's workers. Every worker learns
+    every failure. Returns the names, relative to the DCP directory, of the files the marker
+    lists and of those this worker may read.
     """
     names = _dcp_files(checkpoint_dir, marker)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     # Every worker reads the metadata itself, so every worker checks it itself.
-    mine = [names[0], *names[1:][rank::world_size]]
+    readable = names
+    if checkpointing.is_complete(checkpoint_dir):
+        mine = [names[0], *names[1:][rank::world_size]]
+    else:
+        # A host's part: the files of its workers (one of them may hold a value they all need),
+        # split among them.
+        workers = list((marker.get("host") or {}).get("workers") or [rank])
+        prefixes = tuple(f"{DCP_DIR}/__{worker}_" for worker in workers)
+        own = [name for name in names[1:] if name.startswith(prefixes)]
+        share = workers.index(rank) if rank in workers else 0
+        readable = [names[0], *own]
+        mine = [names[0], *own[share :: len(workers)]]
     error: Optional[str] = None
     try:
         checkpointing.verify_files(checkpoint_dir, dict(marker), mine, hashes=hashes)
     except CheckpointError as failure:
         error = str(failure)
-    if distributed:
-        errors: List[Optional[str]] = [None] * world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
-    return [name[len(DCP_DIR) + 1 :] for name in names]
+    _agree(error)
+    return {name[len(DCP_DIR) + 1 :] for name in names}, {name[len(DCP_DIR) + 1 :] for name in readable}
+
+
+class _PerHostSavePlanner(DefaultSavePlanner):
+    """
+    DCP's save planner, deduplicating what several workers hold within each host instead of
+    across all of them: every host's files then hold every value its workers hold. The metadata
+    still lists each shard once (from the global deduplication), so loading plans as usual.
+    On one host this is DCP's default.
+    """
+
+    def __init__(self, node_of_rank: Sequence[int]) -> None:
+        super().__init__()
+        self._node_of_rank = list(node_of_rank)
+
+    def _dedup_save_plans(self, all_plans: List[SavePlan]) -> List[SavePlan]:
+        by_node: Dict[int, List[int]] = {}
+        for rank, node in enumerate(self._node_of_rank):
+            by_node.setdefault(node, []).append(rank)
+        plans = list(all_plans)
+        for ranks in by_node.values():
+            deduplicated = dedup_save_plans([all_plans[r] for r in ranks], self.dedup_save_to_lowest_rank)
+            for rank, plan in zip(ranks, deduplicated):
+                plans[rank] = plan
+        return plans
+
+    def _create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        # Metadata from one copy of each value (DCP's own deduplication and checks), the plans
+        # (what each worker writes) from the per-host one. Index hints are hints only
+        # (MetadataIndex compares by name and offset), so the plans need no rewriting.
+        _, metadata = super()._create_global_plan(dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank))
+        return self._dedup_save_plans(all_plans), metadata
+
+
+class _PerHostWriter(dcp.FileSystemWriter):
+    """
+    DCP's file writer whose coordinator builds one metadata per host (:attr:`per_host`), each
+    pointing at that host's own files for every value the host wrote, and writes its own host's.
+    """
+
+    def __init__(self, path: Path, node_of_rank: Sequence[int]) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._node_of_rank = list(node_of_rank)
+        #: On the coordinator after the save: node rank -> that host's metadata.
+        self.per_host: Dict[int, Metadata] = {}
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        def own_last(node: int) -> List[List[WriteResult]]:
+            # DCP's writer lets the last write of a value name its file: this host's workers last.
+            order = sorted(range(len(results)), key=lambda rank: self._node_of_rank[rank] == node)
+            return [results[rank] for rank in order]
+
+        me = self._node_of_rank[dist.get_rank() if dist.is_initialized() else 0]
+        super().finish(metadata, own_last(me))  # also sets the version and storage_meta
+        for node in sorted(set(self._node_of_rank)):
+            host = copy.copy(metadata)
+            host.storage_data = {wr.index: wr.storage_data for part in own_last(node) for wr in part}
+            self.per_host[node] = host
+
+
+def _write_host_metadata(dcp_dir: Path, metadata: Metadata) -> None:
+    """Write (atomically, synced) a host's DCP metadata, as DCP's writer does on the coordinator."""
+    temporary = dcp_dir / f"{METADATA_FILE}.tmp"
+    with open(temporary, "wb") as handle:
+        pickle.dump(metadata, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, dcp_dir / METADATA_FILE)
+    checkpointing.fsync_directory(dcp_dir)
 
 
 def _training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
@@ -272,60 +406,75 @@ def save_sharded(
     extra_states: Optional[Mapping[str, Any]] = None,
     *,
     step: Optional[int] = None,
+    node_of_rank: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     """
     Save an FSDP2 model's and optimizer's shards with DCP, and this worker's ``extra_states``
     (name -> state, e.g. ``{"trainer": ..., "lr_scheduler": ...}``, replicated or per-worker
     values of plain types) as ``worker{rank}_{name}.pt``. Collective: every worker calls it.
 
+    ``node_of_rank`` (each global rank's node rank) is for a launch across hosts: each host's
+    ``checkpoint_dir`` is then its own (its own disk), and gets its workers' files and a DCP
+    metadata of its own (see the module's docstring). By default all workers share one directory.
+
     Removes the directory's marker and any earlier DCP files first (a resumed run may save the
     same step again). Returns, on every worker, the fields of the completion marker: the format,
     ``world_size``, ``training_steps`` (``step``), the extra states' names (``files``) and every
-    file's size and SHA-256 (``digests``, gathered from all workers). The caller marks the
-    checkpoint complete after a barrier, on one worker::
+    file's size and SHA-256 (``digests``, gathered from all workers; ``dcp/.metadata`` this
+    host's). After this returns everywhere, every file is written: the caller marks the
+    checkpoint complete on one worker of each host, then waits for all::
 
         fields = save_sharded(directory, model, optimizer, {"trainer": state}, step=step)
-        dist.barrier()
         if rank == 0:
             checkpointing.write_marker(directory, world_size=fields["world_size"], extra=fields)
         dist.barrier()
     """
     checkpoint_dir = Path(checkpoint_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    nodes = list(node_of_rank) if node_of_rank is not None else [0] * world_size
+    if len(nodes) != world_size:
+        raise ValueError(f"save_sharded: node_of_rank has {len(nodes)} entries for {world_size} workers.")
+    # The first worker of each host maintains that host's directory.
+    keeper = nodes.index(nodes[rank]) == rank
     extra_states = dict(extra_states or {})
     for name in extra_states:
         if not name.isidentifier():
             raise ValueError(f"save_sharded: extra state names must be identifiers, got {name!r}.")
     dcp_dir = checkpoint_dir / DCP_DIR
-    if rank == 0:
+    if keeper:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         # The checkpoint stops counting before any file in it changes.
         (checkpoint_dir / checkpointing.MARKER).unlink(missing_ok=True)
         if dcp_dir.exists():
             shutil.rmtree(dcp_dir)
     dist.barrier()
-    dcp.save(
-        _training_state(model, optimizer),
-        storage_writer=dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True),
-    )
+    writer = _PerHostWriter(dcp_dir, nodes)
+    dcp.save(_training_state(model, optimizer), storage_writer=writer, planner=_PerHostSavePlanner(nodes))
+    # Each host's metadata, from the coordinator (rank 0), which wrote its own host's.
+    per_host: List[Any] = [writer.per_host]
+    if len(set(nodes)) > 1:
+        dist.broadcast_object_list(per_host, src=0)
+        if keeper and nodes[rank] != nodes[0]:
+            _write_host_metadata(dcp_dir, per_host[0][nodes[rank]])
     digests: Dict[str, Dict[str, Any]] = {}
-    # DCP names each worker's data file by its rank; its coordinator (rank 0) writes the metadata
-    # before save returns there.
-    own = sorted(dcp_dir.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        own.insert(0, dcp_dir / METADATA_FILE)
-    for path in own:
+    # DCP names each worker's data file by its rank.
+    for path in sorted(dcp_dir.glob(f"__{rank}_*.distcp")):
         digests[f"{DCP_DIR}/{path.name}"] = checkpointing.file_digest(path)
     for name, state in extra_states.items():
         path = checkpointing.worker_file(checkpoint_dir, rank, name)
         digests[path.name] = checkpointing.atomic_save(
             checkpointing.with_header(state, kind=name, rank=rank, world_size=world_size, step=step), path
         )
+    metadata_name = f"{DCP_DIR}/{METADATA_FILE}"
+    if keeper:
+        digests[metadata_name] = checkpointing.file_digest(dcp_dir / METADATA_FILE)
     gathered: List[Optional[Dict[str, Dict[str, Any]]]] = [None] * world_size
     dist.all_gather_object(gathered, digests)
     merged: Dict[str, Dict[str, Any]] = {}
     for part in gathered:
         merged.update(part or {})
+    # Each host's marker lists its own metadata, digested by the host's first worker.
+    merged[metadata_name] = (gathered[nodes.index(nodes[rank])] or {})[metadata_name]
     return {
         **MARKER_FIELDS,
         "world_size": world_size,
@@ -345,28 +494,36 @@ def load_sharded(
     """
     Load a complete checkpoint of :func:`save_sharded` into an FSDP2 ``model`` (and
     ``optimizer``), saved by any number of workers: DCP reads each worker's part of every saved
-    shard. Collective: every worker calls it. Returns this worker's extra states (name -> state):
-    its own file, or worker 0's for a worker the saving run did not have.
+    shard. Across hosts, a host's part of a checkpoint of the same world size loads too (its
+    workers read their host's files only). Collective: every worker calls it. Returns this
+    worker's extra states (name -> state): its own file, or worker 0's for a worker the saving
+    run did not have.
 
     Every file is checked against the marker before it is read, and nothing is unpickled beyond
     DCP's metadata classes and plain values (see the module's docstring). A checkpoint of the
     fairscale backend, or one that fails a check, is a :class:`CheckpointError` on every worker.
     """
     checkpoint_dir = Path(checkpoint_dir).resolve()
-    marker = _require_torch_marker(checkpoint_dir)
-    allowed = set(_verify_dcp_files(checkpoint_dir, marker, hashes))
+    rank = dist.get_rank()
+    marker: Dict[str, Any] = {}
+    error: Optional[str] = None
+    try:
+        marker = _require_torch_marker(checkpoint_dir, rank, dist.get_world_size())
+    except CheckpointError as failure:
+        error = str(failure)
+    _agree(error)
+    allowed, readable = _verify_dcp_files(checkpoint_dir, marker, hashes)
     state = _training_state(model, optimizer)
     _dcp_call(
         dcp.load,
         state,
-        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
+        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed, readable),
         planner=_SafeLoadPlanner(),
     )
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank = dist.get_rank()
     source = rank if rank < marker["world_size"] else 0
     return {
         name: checkpointing.read_worker_state(checkpoint_dir, marker, source, name, hashes=hashes)
@@ -396,15 +553,54 @@ def consolidate_dcp(
     """
     checkpoint_dir = Path(checkpoint_dir).resolve()
     marker = _require_torch_marker(checkpoint_dir)
-    names = _dcp_files(checkpoint_dir, marker)
-    checkpointing.verify_files(checkpoint_dir, marker, names, hashes=hashes)
+    return _consolidate(checkpoint_dir, checkpoint_dir, marker, with_optimizer=with_optimizer, hashes=hashes)
+
+
+def consolidate_dcp_part(checkpoint_dir: Path, received: Mapping[str, bytes]) -> Dict[str, Any]:
+    """
+    As :func:`consolidate_dcp` (the model only), for a host's part of a checkpoint across hosts
+    and the DCP data files of the other hosts' workers (``received``: each file's name relative to
+    the checkpoint -> its contents, e.g. from :func:`tango_fairscale.multihost.receive_missing_files`).
+    They are put beside links to this host's files in a temporary directory next to the
+    checkpoint, checked against its marker, and removed after reading.
+    """
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    marker = checkpointing.read_marker(checkpoint_dir)
+    if marker is None:
+        raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
+    check_written_by(checkpoint_dir, marker, "torch")
+    gathered = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.gathered-", dir=checkpoint_dir.parent))
+    try:
+        (gathered / DCP_DIR).mkdir()
+        for name in _dcp_files(checkpoint_dir, marker):
+            if (checkpoint_dir / name).is_file():
+                try:
+                    os.link(checkpoint_dir / name, gathered / name)
+                except OSError:  # a filesystem without hard links
+                    shutil.copy2(checkpoint_dir / name, gathered / name)
+        allowed = set(_dcp_files(checkpoint_dir, marker))
+        for name, data in received.items():
+            if name not in allowed:  # only names the marker lists: nothing lands outside the directory
+                raise CheckpointError(f"{name} is not a DCP file of {checkpoint_dir}.")
+            (gathered / name).write_bytes(data)
+        return _consolidate(gathered, checkpoint_dir, marker, with_optimizer=False, hashes=True)
+    finally:
+        shutil.rmtree(gathered, ignore_errors=True)
+
+
+def _consolidate(
+    root: Path, checkpoint_dir: Path, marker: Dict[str, Any], *, with_optimizer: bool, hashes: bool
+) -> Dict[str, Any]:
+    """:func:`consolidate_dcp` of the DCP files under ``root`` (``checkpoint_dir`` names it in errors)."""
+    names = _dcp_files(root, marker)
+    checkpointing.verify_files(root, marker, names, hashes=hashes)
     allowed = {name[len(DCP_DIR) + 1 :] for name in names}
     keys = {"model", "optim"} if with_optimizer else {"model"}
     loaded: Dict[str, Any] = {}
     _dcp_call(
         _load_state_dict,
         loaded,
-        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
+        storage_reader=_SafeFileSystemReader(root / DCP_DIR, allowed),
         planner=_SafeEmptyStateDictLoadPlanner(keys=keys),
         no_dist=True,
     )
@@ -437,6 +633,7 @@ __all__ = [
     "MARKER_FIELDS",
     "METADATA_GLOBALS",
     "consolidate_dcp",
+    "consolidate_dcp_part",
     "is_torch_checkpoint",
     "load_sharded",
     "plain_name",

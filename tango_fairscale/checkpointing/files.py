@@ -297,12 +297,14 @@ def saved_file_names(marker: Dict[str, Any]) -> List[str]:
 
 
 def _missing_files(checkpoint_dir: Path, marker: Dict[str, Any]) -> List[str]:
-    return [
+    expected = [
         worker_file(checkpoint_dir, worker, name).name
         for worker in range(marker["world_size"])
         for name in saved_file_names(marker)
-        if not worker_file(checkpoint_dir, worker, name).is_file()
     ]
+    # Files in subdirectories (the torch backend's DCP files) are listed with their digests.
+    expected += [name for name in marker.get("digests") or {} if name not in expected]
+    return [name for name in expected if not (Path(checkpoint_dir) / name).is_file()]
 
 
 def is_complete(checkpoint_dir: Path) -> bool:
