@@ -5,6 +5,8 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 
 import logging
 import os
+import shutil
+import tempfile
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -750,17 +752,27 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         if self.hosts is not None and self.backend == "torch":
             from .backends.torch_fsdp_checkpoint import consolidate_dcp_part
 
-            # As below, with DCP's data files: each host's first worker gets those it lacks.
-            marker = checkpointing.read_marker(checkpoint_dir) or {}
-            # One data file per worker (save_sharded writes single_file_per_rank).
-            received = multihost.receive_missing_files(
-                checkpoint_dir, self.hosts, lambda rank: next(iter(dcp_files_of_worker(marker, rank)), None)
+            # As below, with DCP's data files (one per worker: save_sharded writes
+            # single_file_per_rank), which hold the optimizer state besides the model's.
+            received_dir = Path(
+                tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.received-", dir=checkpoint_dir.parent)
             )
-            full_state = consolidate_dcp_part(checkpoint_dir, received)
+            try:
+                multihost.receive_missing_files(
+                    checkpoint_dir,
+                    self.hosts,
+                    lambda marker, rank: next(iter(dcp_files_of_worker(marker, rank)), None),
+                    received_dir,
+                )
+                full_state = consolidate_dcp_part(
+                    checkpoint_dir, received_dir, hashes=self.verify_checkpoints
+                )
+            finally:
+                shutil.rmtree(received_dir, ignore_errors=True)
         elif self.hosts is not None:
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
-            shards = multihost.gather_model_shards(checkpoint_dir, self.hosts)
+            shards = multihost.gather_model_shards(checkpoint_dir, self.hosts, hashes=self.verify_checkpoints)
             full_state = checkpointing.consolidate_model_state(shards)
             del shards
         else:

@@ -26,17 +26,19 @@ parts even then.
 
 **Final weights.** Each host's ``weights.pt`` is consolidated from every worker's model file of
 the best checkpoint: those another host holds, and this one cannot read, are sent by that host's
-first worker (:func:`gather_model_shards`), so no shared filesystem is needed for the step's
-result, on any host.
+first worker (:func:`gather_model_shards`; for the torch backend, whose files hold the model and
+optimizer together, the whole DCP data files), streamed to disk in chunks, so no shared
+filesystem is needed for the step's result, on any host.
 """
 
 import hashlib
-import io
 import logging
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -147,39 +149,44 @@ def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, fields: Mappi
     return True
 
 
-def gather_model_shards(checkpoint_dir: Path, world: HostWorld) -> List[Dict[str, Any]]:
+def gather_model_shards(
+    checkpoint_dir: Path, world: HostWorld, *, hashes: bool = True
+) -> List[Dict[str, Any]]:
     """
     Every worker's model state of a fairscale-backend checkpoint, on the first worker of each
     host (call it on each of them, and only there: it exchanges point-to-point with the others
-    only). Files this host has are read here; the others are sent by the first worker of the
-    host that wrote them (:func:`receive_missing_files`).
+    only). Files this host has are read here (and checked against the marker, SHA-256 with
+    ``hashes``); the others are sent by the first worker of the host that wrote them
+    (:func:`receive_missing_files`) into a temporary directory beside the checkpoint.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    received = receive_missing_files(
-        checkpoint_dir, world, lambda rank: checkpointing.worker_file(Path(), rank, "model").name
-    )
     marker = _marker(checkpoint_dir)
-    shards = []
-    for rank in range(world.world_size):
-        path = checkpointing.worker_file(checkpoint_dir, rank, "model")
-        if path.name in received:
-            origin = f"{path.name} of {checkpoint_dir.name}, sent by {world.describe(world.node_of(rank))}"
-            try:
-                state = torch.load(io.BytesIO(received.pop(path.name)), map_location="cpu", weights_only=True)
-            except Exception as error:  # noqa: BLE001 - weights_only refusals and damaged files alike
-                raise CheckpointError(f"Cannot read {origin}: {type(error).__name__}: {error}") from None
+    received_dir = Path(
+        tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.received-", dir=checkpoint_dir.parent)
+    )
+    try:
+        received = receive_missing_files(
+            checkpoint_dir,
+            world,
+            lambda marker, rank: checkpointing.worker_file(Path(), rank, "model").name,
+            received_dir,
+        )
+        marker = _marker(checkpoint_dir)
+        shards = []
+        for rank in range(world.world_size):
+            sent = checkpointing.worker_file(Path(), rank, "model").name in received
             shards.append(
-                checkpointing.without_header(
-                    state,
-                    path,
-                    kind="model",
-                    rank=rank,
-                    world_size=marker["world_size"],
-                    step=marker.get("training_steps"),
+                checkpointing.read_worker_state(
+                    received_dir if sent else checkpoint_dir,
+                    marker,
+                    rank,
+                    "model",
+                    # A received file was hashed on arrival.
+                    hashes=hashes and not sent,
                 )
             )
-        else:
-            shards.append(checkpointing.read_worker_state(checkpoint_dir, marker, rank, "model"))
+    finally:
+        shutil.rmtree(received_dir, ignore_errors=True)
     if world.global_rank(0) == 0:
         logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
     return shards
@@ -192,71 +199,150 @@ def _marker(checkpoint_dir: Path) -> Dict[str, Any]:
     return marker
 
 
+#: The bytes of a file sent per round of :func:`receive_missing_files` (per file in flight).
+TRANSFER_CHUNK_BYTES = 32 << 20
+
+
 def receive_missing_files(
-    checkpoint_dir: Path, world: HostWorld, file_of: Callable[[int], Optional[str]]
-) -> Dict[str, bytes]:
+    checkpoint_dir: Path,
+    world: HostWorld,
+    file_of: Callable[[Mapping[str, Any], int], Optional[str]],
+    into: Path,
+) -> Set[str]:
     """
-    The file ``file_of(rank)`` (relative to the checkpoint; ``None`` for a worker without one) of
-    every worker whose file this host lacks, sent by the first worker of the host that wrote it,
-    as ``{name: contents}``, each
+    Receive into ``into`` the file ``file_of(marker, rank)`` (a path relative to the checkpoint,
+    from this host's marker; ``None`` for a worker without one) of every worker whose file this
+    host lacks, from the first worker of the host that wrote it, and send the files of this
+    host's workers that other hosts lack. Files travel in chunks of :data:`TRANSFER_CHUNK_BYTES`
+    and are written as they arrive, so memory stays bounded whatever their size; each is
     checked against the size and SHA-256 in this host's marker (which lists every worker's
-    files). Call it on the first worker of every host, and only there: it exchanges
-    point-to-point with the others only. This host sends the files of its own workers that
-    another host lacks.
+    files). Returns the names received.
+
+    Call it on the first worker of every host, and only there: it exchanges point-to-point with
+    the others only. A failure on one host (no marker, a file of its own workers missing, a file
+    that arrives damaged) is raised on every host, after the exchange, so none waits for the others.
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir, into = Path(checkpoint_dir), Path(into)
     world_size = world.world_size
-    names = {rank: file_of(rank) for rank in range(world_size)}
-    files = {rank: name for rank, name in names.items() if name is not None}
+    marker: Dict[str, Any] = {}
+    error: Optional[str] = None
+    try:
+        marker = _marker(checkpoint_dir)
+    except CheckpointError as failure:  # told to the other hosts below rather than leaving them waiting
+        error = str(failure)
+    digests = marker.get("digests") or {}
+    files = {rank: name for rank in range(world_size) if (name := file_of(marker, rank)) is not None}
     leaders = {node: world.global_rank(0, node) for node in range(world.num_nodes) if node != world.node_rank}
-    have = torch.tensor(
-        [rank not in files or (checkpoint_dir / files[rank]).is_file() for rank in range(world_size)],
-        dtype=torch.uint8,
-    )
-    # 1. Which files each host holds.
-    held = {node: torch.zeros(world_size, dtype=torch.uint8) for node in leaders}
-    works = [dist.isend(have, leader) for leader in leaders.values()]
+    have = [rank not in files or (checkpoint_dir / files[rank]).is_file() for rank in range(world_size)]
+    own_missing = [files[rank] for rank in world.ranks_of(world.node_rank) if not have[rank]]
+    if own_missing:
+        error = f"{checkpoint_dir} lacks this host's own file(s) {own_missing[:3]}."
+    # 1. Which files each host holds, and whether it can take part.
+    mine = torch.tensor([*have, error is None], dtype=torch.uint8)
+    held = {node: torch.zeros(world_size + 1, dtype=torch.uint8) for node in leaders}
+    works = [dist.isend(mine, leader) for leader in leaders.values()]
     works += [dist.irecv(held[node], leader) for node, leader in leaders.items()]
     _wait(works)
-    # 2. Each host sends the files of its own workers that another host lacks. Sends are
-    # asynchronous, so that two hosts sending to each other cannot wait on each other.
-    outgoing: List[torch.Tensor] = []
-    works = []
-    for node, leader in leaders.items():
-        for rank in world.ranks_of(world.node_rank):
-            if not held[node][rank]:
-                payload = torch.frombuffer(
-                    bytearray((checkpoint_dir / files[rank]).read_bytes()), dtype=torch.uint8
-                )
-                size = torch.tensor([payload.numel()], dtype=torch.int64)
-                outgoing += [size, payload]
-                works += [
-                    dist.isend(size, leader, tag=2 * rank),
-                    dist.isend(payload, leader, tag=2 * rank + 1),
-                ]
-    received: Dict[str, bytes] = {}
-    for rank in range(world_size):
-        if not have[rank]:
-            if world.node_of(rank) == world.node_rank:
-                raise CheckpointError(f"{checkpoint_dir / files[rank]} is missing.")
-            source = world.global_rank(0, world.node_of(rank))
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, source, tag=2 * rank)
-            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(buffer, source, tag=2 * rank + 1)
-            received[files[rank]] = buffer.numpy().tobytes()
-            recorded = (_marker(checkpoint_dir).get("digests") or {}).get(files[rank])
-            data = received[files[rank]]
-            if recorded is not None and (
-                len(data) != recorded["size"] or hashlib.sha256(data).hexdigest() != recorded["sha256"]
-            ):
-                raise CheckpointError(
-                    f"{files[rank]} of {checkpoint_dir.name}, sent by {world.describe(world.node_of(rank))}, "
-                    f"does not match the size and SHA-256 in {checkpoint_dir / checkpointing.MARKER}."
-                )
+    failed = [node for node, flags in held.items() if not flags[world_size]]
+    if error is not None:
+        raise CheckpointError(error)
+    if failed:
+        raise CheckpointError(
+            f"{', '.join(world.describe(node) for node in failed)} cannot send its workers' files of "
+            f"{checkpoint_dir.name} (its log says why), so the weights cannot be gathered."
+        )
+    # 2. The size of each file sent (a receiver learns it before taking any data).
+    outgoing = [
+        (leader, rank)
+        for node, leader in leaders.items()
+        for rank in world.ranks_of(world.node_rank)
+        if rank in files and not held[node][rank]
+    ]
+    incoming = [rank for rank in files if not have[rank]]
+    sizes = {
+        rank: torch.tensor([(checkpoint_dir / files[rank]).stat().st_size], dtype=torch.int64)
+        for _, rank in outgoing
+    }
+    incoming_sizes = {rank: torch.zeros(1, dtype=torch.int64) for rank in incoming}
+    works = [dist.isend(sizes[rank], leader, tag=rank) for leader, rank in outgoing]
+    works += [dist.irecv(incoming_sizes[rank], _sender(world, rank), tag=rank) for rank in incoming]
     _wait(works)
-    del outgoing
-    return received
+    # 3. The files, chunk by chunk. In each round every sender posts its chunks and every
+    # receiver its buffers before anyone waits, so no two hosts can wait on each other.
+    sources: Dict[int, BinaryIO] = {
+        rank: open(checkpoint_dir / files[rank], "rb") for rank in {rank for _, rank in outgoing}
+    }
+    targets: Dict[int, BinaryIO] = {}
+    hashers = {rank: hashlib.sha256() for rank in incoming}
+    try:
+        for rank in incoming:
+            (into / files[rank]).parent.mkdir(parents=True, exist_ok=True)
+            targets[rank] = open(into / files[rank], "wb")
+        rounds = max(
+            [-(-int(sizes[rank].item()) // TRANSFER_CHUNK_BYTES) for _, rank in outgoing]
+            + [-(-int(incoming_sizes[rank].item()) // TRANSFER_CHUNK_BYTES) for rank in incoming]
+            + [0]
+        )
+        for index in range(rounds):
+            start = index * TRANSFER_CHUNK_BYTES
+            chunks: Dict[int, torch.Tensor] = {}
+            works = []
+            for rank, handle in sources.items():
+                if start < sizes[rank].item():
+                    handle.seek(start)
+                    chunks[rank] = torch.frombuffer(
+                        bytearray(handle.read(TRANSFER_CHUNK_BYTES)), dtype=torch.uint8
+                    )
+            for leader, rank in outgoing:
+                if rank in chunks:
+                    works.append(dist.isend(chunks[rank], leader, tag=rank))
+            buffers: Dict[int, torch.Tensor] = {}
+            for rank in incoming:
+                length = min(TRANSFER_CHUNK_BYTES, int(incoming_sizes[rank].item()) - start)
+                if length > 0:
+                    buffers[rank] = torch.empty(length, dtype=torch.uint8)
+                    works.append(dist.irecv(buffers[rank], _sender(world, rank), tag=rank))
+            _wait(works)
+            for rank, buffer in buffers.items():
+                data = buffer.numpy().data  # no copy: hashed and written from the buffer
+                hashers[rank].update(data)
+                targets[rank].write(data)
+    finally:
+        for stream in [*sources.values(), *targets.values()]:
+            stream.close()
+    damaged = []
+    for rank in incoming:
+        recorded = digests.get(files[rank])
+        size = int(incoming_sizes[rank].item())
+        if recorded is not None and (
+            size != recorded["size"] or hashers[rank].hexdigest() != recorded["sha256"]
+        ):
+            damaged.append(f"{files[rank]}, sent by {world.describe(world.node_of(rank))}")
+    marker_path = checkpoint_dir / checkpointing.MARKER
+    error = f"{', '.join(damaged)} did not arrive as {marker_path} records it (size and SHA-256)"
+    _agree_among_leaders(world, leaders, error if damaged else None)
+    return {files[rank] for rank in incoming}
+
+
+def _sender(world: HostWorld, rank: int) -> int:
+    """The worker that sends worker ``rank``'s files: the first worker of its host."""
+    return world.global_rank(0, world.node_of(rank))
+
+
+def _agree_among_leaders(world: HostWorld, leaders: Mapping[int, int], error: Optional[str]) -> None:
+    """Raise on every host's first worker when any of them has ``error`` (theirs says which host)."""
+    flag = torch.tensor([error is not None], dtype=torch.uint8)
+    flags = {node: torch.zeros(1, dtype=torch.uint8) for node in leaders}
+    works = [dist.isend(flag, leader) for leader in leaders.values()]
+    works += [dist.irecv(flags[node], leader) for node, leader in leaders.items()]
+    _wait(works)
+    if error is not None:
+        raise CheckpointError(error + ".")
+    failed = [world.describe(node) for node, value in flags.items() if value.item()]
+    if failed:
+        raise CheckpointError(
+            f"{', '.join(failed)} could not check the files it received (its log says which)."
+        )
 
 
 def _wait(works: Sequence[Any]) -> None:

@@ -61,7 +61,10 @@ def check_engine(
     on_cpu: bool = False,
     hosts: int = 1,
 ) -> Optional[FSDPConfig]:
-    """Validate the engine's options; return its FSDP config (if given)."""
+    """
+    Validate the engine's options for ``device_count`` workers on each of ``hosts`` hosts (on
+    CPU workers with ``on_cpu``); return its FSDP config (if given).
+    """
     fsdp_config = None
     if engine.get("fsdp_config") is not None:
         fsdp_config = FSDPConfig.from_params(Params(dict(engine["fsdp_config"])))

@@ -8,6 +8,7 @@ by a veth pair, each with its own address (marker ``netns``). Every host has its
 except in the torchrun-restart test, which checks what a shared filesystem adds.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -127,6 +128,81 @@ def test_a_part_resumed_elsewhere_says_how_to_gather_it(tmp_path: Path) -> None:
         explained = str(FairScaleTrainingEngine._explain_part(error.value, directory))
         assert "It is host 1's part of a checkpoint written by 2 hosts (workers 2-3 of 4)" in explained
         assert "copy every host's worker files of it" in explained
+
+
+#: Sizes of the files that the hosts of the transfer test send: several chunks, exactly one, none.
+_SIZES = [2500, 1000, 0]
+
+
+def _transfer_world(node_rank: int, root: Path) -> Any:
+    from tango_fairscale.launch import HostInfo, HostWorld
+
+    hosts = tuple(HostInfo(f"h{n}", "127.0.0.1", str(root / f"host{n}"), 1, "s", "t") for n in range(3))
+    return HostWorld(node_rank, 1, "127.0.0.1", 0, "a", hosts, (False, False, False))
+
+
+def _transfer_worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3
+    )
+    multihost.TRANSFER_CHUNK_BYTES = 1000  # several rounds for small files
+    world, base = _transfer_world(rank, Path(root)), Path(root)
+    outcomes: Dict[str, Any] = {}
+    for case in ("intact", "damaged", "missing"):
+        directory = base / case / f"host{rank}"
+        into = base / case / f"received{rank}"
+        into.mkdir(parents=True)
+        try:
+            received = multihost.receive_missing_files(
+                directory, world, lambda marker, r: f"sub/worker{r}.bin", into
+            )
+            outcomes[case] = {name: (into / name).read_bytes().hex() for name in sorted(received)}
+        except checkpointing.CheckpointError as error:
+            outcomes[case] = f"error: {error}"
+    (base / f"outcome{rank}.json").write_text(json.dumps(outcomes))
+    dist.destroy_process_group()
+
+
+def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    contents = {rank: os.urandom(size) for rank, size in enumerate(_SIZES)}
+    digests = {
+        f"sub/worker{rank}.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rank, data in contents.items()
+    }
+    for case in ("intact", "damaged", "missing"):
+        for rank in range(3):
+            directory = tmp_path / case / f"host{rank}"
+            (directory / "sub").mkdir(parents=True)
+            data = contents[rank]
+            if case == "damaged" and rank == 0:
+                data = bytes([data[1500] ^ 1]).join([data[:1500], data[1501:]])  # one byte of chunk 2
+            if not (case == "missing" and rank == 1):
+                (directory / "sub" / f"worker{rank}.bin").write_bytes(data)
+            checkpointing.write_marker(directory, 3, {"files": [], "digests": digests})
+    mp.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
+    outcomes = [json.loads((tmp_path / f"outcome{rank}.json").read_text()) for rank in range(3)]
+    for rank, outcome in enumerate(outcomes):
+        # Every host ends with every other host's file, byte for byte.
+        assert outcome["intact"] == {
+            f"sub/worker{other}.bin": contents[other].hex() for other in range(3) if other != rank
+        }
+    # Host 0's file changed after its marker was written: the hosts it sends to see it arrive
+    # damaged, and every host raises rather than one waiting for another.
+    for rank in (1, 2):
+        assert "sub/worker0.bin, sent by host 0 (h0, 127.0.0.1" in outcomes[rank]["damaged"]
+        assert "did not arrive as" in outcomes[rank]["damaged"]
+    assert "could not check the files it received" in outcomes[0]["damaged"]
+    assert "lacks this host's own file(s) ['sub/worker1.bin']" in outcomes[1]["missing"]
+    for rank in (0, 2):
+        assert (
+            "host 1 (h1, 127.0.0.1; node rank 1, global ranks 1-1) cannot send" in outcomes[rank]["missing"]
+        )
 
 
 @pytest.mark.parametrize(

@@ -679,6 +679,38 @@ def test_tampered_checkpoint_is_refused(trained: Path, tmp_path: Path) -> None:
         consolidate_dcp(copy)
 
 
+def _copies_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    _init(rank, world_size, port)
+    model = _model()
+    shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), make_mesh(world_size))
+    try:
+        load_sharded(Path(out) / f"copy{rank}", model, _optimizer(model))
+        outcome = "loaded"
+    except CheckpointError as error:
+        outcome = str(error)
+    (Path(out) / f"outcome{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path, tmp_path: Path) -> None:
+    import shutil
+
+    # Hosts on their own disks, each with a whole copy (e.g. copied by hand): the workers of one
+    # directory split its checking among themselves, not with the workers of another copy.
+    for rank in range(2):
+        shutil.copytree(trained / "checkpoint", tmp_path / f"copy{rank}")
+    # Worker 1's data file, in worker 0's copy: split by position over both workers, worker 1
+    # would have checked it, in its own (intact) copy, and worker 0's copy would have loaded.
+    data = tmp_path / "copy0" / "dcp" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
+        assert f"{data} has SHA-256" in outcome, outcome
+
+
 def test_fairscale_checkpoint_is_not_read_as_dcp(tmp_path: Path) -> None:
     checkpointing.atomic_save({"weights": {}}, checkpointing.worker_file(tmp_path, 0, "model"))
     checkpointing.write_marker(tmp_path, world_size=1, extra={"files": ["model"]})

@@ -46,9 +46,9 @@ import logging
 import os
 import pickle
 import shutil
-import tempfile
+import socket
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,7 @@ from ..checkpointing.formats import (
     DCP_DIR,
     MARKER_FIELDS,
     check_written_by,
+    dcp_files_of_worker,
     holds_worker_files,
     is_torch_checkpoint,
 )
@@ -170,8 +171,9 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
             if name not in self._verified:
                 raise CheckpointError(
                     f"{self._directory} is a host's part of a checkpoint across hosts, and loading it here "
-                    f"needs {name}, which another host wrote: resume it with the same hosts and workers, or "
-                    "copy every host's files of it into one directory to load it on others."
+                    f"needs {name}, which another host wrote: the sharding changed since the save (another "
+                    "number of hosts or workers, or hybrid_sharding switched). Resume it as it was saved, or "
+                    "copy every host's files of it into one directory to load it with another sharding."
                 )
         return super().read_data(plan, planner)
 
@@ -292,29 +294,42 @@ def _verify_dcp_files(
     checkpoint_dir: Path, marker: Mapping[str, Any], hashes: bool
 ) -> Tuple[Set[str], Set[str]]:
     """
-    Check the DCP files this worker may read against the marker. In a complete checkpoint that
-    is every file, the work split across the workers when there is a process group (each hashes
-    its share); in a host's part, the metadata and the files of the host's workers. Every worker learns
-    every failure. Returns the names, relative to the DCP directory, of the files the marker
-    lists and of those this worker may read.
+    Check the DCP files this worker may read against the marker: in a complete checkpoint every
+    file, in a host's part the metadata and the files of the host's workers (one of them may
+    hold a value they all need). The workers that read the same directory (same host, same
+    inode) split the hashing of those files; each checks the metadata it reads itself. Every
+    worker learns every failure, and none is left waiting in a collective. Returns the names,
+    relative to the DCP directory, of the files the marker lists and of those this worker may read.
     """
-    names = _dcp_files(checkpoint_dir, marker)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    # Every worker reads the metadata itself, so every worker checks it itself.
-    readable = names
-    if checkpointing.is_complete(checkpoint_dir):
-        mine = [names[0], *names[1:][rank::world_size]]
-    else:
-        # A host's part: the files of its workers (one of them may hold a value they all need),
-        # split among them.
-        workers = list((marker.get("host") or {}).get("workers") or [rank])
-        prefixes = tuple(f"{DCP_DIR}/__{worker}_" for worker in workers)
-        own = [name for name in names[1:] if name.startswith(prefixes)]
-        share = workers.index(rank) if rank in workers else 0
-        readable = [names[0], *own]
-        mine = [names[0], *own[share :: len(workers)]]
+    names: List[str] = []
+    readable: List[str] = []
+    directory: Optional[Tuple[str, int, int]] = None
     error: Optional[str] = None
+    try:
+        names = _dcp_files(checkpoint_dir, marker)
+        if checkpointing.is_complete(checkpoint_dir):
+            readable = names
+        else:
+            workers = list((marker.get("host") or {}).get("workers") or [rank])
+            own = {name for worker in workers for name in dcp_files_of_worker(marker, worker)}
+            readable = [names[0], *(name for name in names[1:] if name in own)]
+        # Hosts on separate disks may hold directories of the same path: the host name tells
+        # them apart, the inode tells apart directories of one host.
+        status = checkpoint_dir.stat()
+        directory = (socket.gethostname(), status.st_dev, status.st_ino)
+    except (CheckpointError, OSError) as failure:
+        error = str(failure)
+    gathered: List[Any] = [(error, directory)]
+    if distributed:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (error, directory))
+    first = next((e for e, _ in gathered if e is not None), None)
+    if first is not None:  # every worker gathered the same errors: all raise
+        raise CheckpointError(first)
+    readers = [worker for worker, (_, other) in enumerate(gathered) if other == directory]
+    mine = [readable[0], *readable[1:][readers.index(rank) :: len(readers)]]
     try:
         checkpointing.verify_files(checkpoint_dir, dict(marker), mine, hashes=hashes)
     except CheckpointError as failure:
@@ -425,7 +440,7 @@ def save_sharded(
     checkpoint complete on one worker of each host, then waits for all::
 
         fields = save_sharded(directory, model, optimizer, {"trainer": state}, step=step)
-        if rank == 0:
+        if rank == 0:  # across hosts: each host's first worker
             checkpointing.write_marker(directory, world_size=fields["world_size"], extra=fields)
         dist.barrier()
     """
@@ -556,44 +571,50 @@ def consolidate_dcp(
     return _consolidate(checkpoint_dir, checkpoint_dir, marker, with_optimizer=with_optimizer, hashes=hashes)
 
 
-def consolidate_dcp_part(checkpoint_dir: Path, received: Mapping[str, bytes]) -> Dict[str, Any]:
+def consolidate_dcp_part(checkpoint_dir: Path, received_dir: Path, *, hashes: bool = True) -> Dict[str, Any]:
     """
     As :func:`consolidate_dcp` (the model only), for a host's part of a checkpoint across hosts
-    and the DCP data files of the other hosts' workers (``received``: each file's name relative to
-    the checkpoint -> its contents, e.g. from :func:`tango_fairscale.multihost.receive_missing_files`).
-    They are put beside links to this host's files in a temporary directory next to the
-    checkpoint, checked against its marker, and removed after reading.
+    whose other DCP data files were received into ``received_dir`` (under their names relative
+    to the checkpoint, already checked against the marker, e.g. by
+    :func:`tango_fairscale.multihost.receive_missing_files`). This host's files are linked in
+    beside them and checked (SHA-256 with ``hashes``) before anything is read; the caller removes
+    ``received_dir``.
     """
-    checkpoint_dir = Path(checkpoint_dir).resolve()
+    checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
     marker = checkpointing.read_marker(checkpoint_dir)
     if marker is None:
         raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
     check_written_by(checkpoint_dir, marker, "torch")
-    gathered = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.gathered-", dir=checkpoint_dir.parent))
-    try:
-        (gathered / DCP_DIR).mkdir()
-        for name in _dcp_files(checkpoint_dir, marker):
-            if (checkpoint_dir / name).is_file():
-                try:
-                    os.link(checkpoint_dir / name, gathered / name)
-                except OSError:  # a filesystem without hard links
-                    shutil.copy2(checkpoint_dir / name, gathered / name)
-        allowed = set(_dcp_files(checkpoint_dir, marker))
-        for name, data in received.items():
-            if name not in allowed:  # only names the marker lists: nothing lands outside the directory
-                raise CheckpointError(f"{name} is not a DCP file of {checkpoint_dir}.")
-            (gathered / name).write_bytes(data)
-        return _consolidate(gathered, checkpoint_dir, marker, with_optimizer=False, hashes=True)
-    finally:
-        shutil.rmtree(gathered, ignore_errors=True)
+    names = _dcp_files(checkpoint_dir, marker)
+    received = {name for name in names if (received_dir / name).is_file()}
+    (received_dir / DCP_DIR).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name not in received and (checkpoint_dir / name).is_file():
+            try:
+                os.link(checkpoint_dir / name, received_dir / name)
+            except OSError:  # a filesystem without hard links
+                shutil.copy2(checkpoint_dir / name, received_dir / name)
+    return _consolidate(
+        received_dir, checkpoint_dir, marker, with_optimizer=False, hashes=hashes, hashed=received
+    )
 
 
 def _consolidate(
-    root: Path, checkpoint_dir: Path, marker: Dict[str, Any], *, with_optimizer: bool, hashes: bool
+    root: Path,
+    checkpoint_dir: Path,
+    marker: Dict[str, Any],
+    *,
+    with_optimizer: bool,
+    hashes: bool,
+    hashed: AbstractSet[str] = frozenset(),
 ) -> Dict[str, Any]:
-    """:func:`consolidate_dcp` of the DCP files under ``root`` (``checkpoint_dir`` names it in errors)."""
+    """
+    :func:`consolidate_dcp` of the DCP files under ``root`` (``checkpoint_dir`` names it in
+    errors). Files in ``hashed`` were hashed already: only their sizes are checked again.
+    """
     names = _dcp_files(root, marker)
-    checkpointing.verify_files(root, marker, names, hashes=hashes)
+    checkpointing.verify_files(root, marker, [name for name in names if name not in hashed], hashes=hashes)
+    checkpointing.verify_files(root, marker, [name for name in names if name in hashed], hashes=False)
     allowed = {name[len(DCP_DIR) + 1 :] for name in names}
     keys = {"model", "optim"} if with_optimizer else {"model"}
     loaded: Dict[str, Any] = {}
