@@ -33,7 +33,9 @@ def amp_config(engine: str, checkpointing: bool) -> Dict[str, Any]:
     return config
 
 
-@pytest.mark.parametrize("engine", ["fairscale", "torch"])
+# The torch backend's variant is extended: test_torch_backend.py checks its checkpoint wrapper's
+# recompute under bfloat16 autocast at library level, in make test.
+@pytest.mark.parametrize("engine", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_checkpointing_under_bf16_autocast_matches_plain(engine: str, tmp_path: Path) -> None:
     weights = {}
     for checkpointing in (False, True):

@@ -74,7 +74,10 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
     return run
 
 
-@pytest.mark.parametrize("backend", BACKENDS_CI)
+#: Extended for both backends: make test kills and reruns a dropout model with the latest link
+#: removed (test_integrity.py), and a lost host's rerun with the torch backend (test_multihost.py).
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:

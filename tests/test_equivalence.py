@@ -14,7 +14,7 @@ from tango.workspaces import LocalWorkspace
 
 from examples.toy.components import ToyRegressor
 from tests.conftest import ToyRun
-from tests.helpers import load_weights, max_abs_difference, run_tango, train_config, train_work_dir
+from tests.helpers import load_weights, max_abs_difference, train_work_dir
 
 pytestmark = pytest.mark.slow
 
@@ -81,16 +81,12 @@ def test_accumulating_gradients_locally_matches_reducing_each_micro_batch(
     assert max_abs_difference(reduced, load_weights(toy_run("fairscale", "nested", "fairscale"))) > 1e-3
 
 
-def test_step_result_is_the_trained_model(tmp_path: Path) -> None:
-    run_tango(
-        train_config(engine="fairscale", wrap="nested_ckpt", train_steps=4, checkpoint_every=2),
-        tmp_path / "ws",
-        cwd=tmp_path / "cwd",
-    )
-    workspace = LocalWorkspace(tmp_path / "ws")
+def test_step_result_is_the_trained_model(toy_run: ToyRun) -> None:
+    run = toy_run("fairscale", "nested_ckpt", "fairscale")
+    workspace = LocalWorkspace(run)
     (run_name,) = workspace.registered_runs().keys()
     model = workspace.step_result_for_run(run_name, "train")
-    weights = load_weights(tmp_path / "ws")
+    weights = load_weights(run)
     assert max_abs_difference(model.state_dict(), weights) == 0.0
 
 
