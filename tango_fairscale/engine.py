@@ -5,8 +5,6 @@ Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 
 import logging
 import os
-import shutil
-import tempfile
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -754,10 +752,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
             # As below, with DCP's data files (one per worker: save_sharded writes
             # single_file_per_rank), which hold the optimizer state besides the model's.
-            received_dir = Path(
-                tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.received-", dir=checkpoint_dir.parent)
-            )
-            try:
+            with multihost.received_files_dir(checkpoint_dir) as received_dir:
                 multihost.receive_missing_files(
                     checkpoint_dir,
                     self.hosts,
@@ -767,8 +762,6 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 full_state = consolidate_dcp_part(
                     checkpoint_dir, received_dir, hashes=self.verify_checkpoints
                 )
-            finally:
-                shutil.rmtree(received_dir, ignore_errors=True)
         elif self.hosts is not None:
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.

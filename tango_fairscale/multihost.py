@@ -37,8 +37,9 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -160,11 +161,7 @@ def gather_model_shards(
     (:func:`receive_missing_files`) into a temporary directory beside the checkpoint.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    marker = _marker(checkpoint_dir)
-    received_dir = Path(
-        tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.received-", dir=checkpoint_dir.parent)
-    )
-    try:
+    with received_files_dir(checkpoint_dir) as received_dir:
         received = receive_missing_files(
             checkpoint_dir,
             world,
@@ -185,8 +182,6 @@ def gather_model_shards(
                     hashes=hashes and not sent,
                 )
             )
-    finally:
-        shutil.rmtree(received_dir, ignore_errors=True)
     if world.global_rank(0) == 0:
         logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
     return shards
@@ -197,6 +192,25 @@ def _marker(checkpoint_dir: Path) -> Dict[str, Any]:
     if marker is None:
         raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
     return marker
+
+
+@contextmanager
+def received_files_dir(checkpoint_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside ``checkpoint_dir`` for :func:`receive_missing_files`, then removed."""
+    directory = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.received-", dir=checkpoint_dir.parent))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _exchange_with_leaders(mine: torch.Tensor, leaders: Mapping[int, int]) -> Dict[int, torch.Tensor]:
+    """Send ``mine`` to every other host's first worker and receive theirs (same shape), by node rank."""
+    theirs = {node: torch.zeros_like(mine) for node in leaders}
+    works = [dist.isend(mine, leader) for leader in leaders.values()]
+    works += [dist.irecv(theirs[node], leader) for node, leader in leaders.items()]
+    _wait(works)
+    return theirs
 
 
 #: The bytes of a file sent per round of :func:`receive_missing_files` (per file in flight).
@@ -238,11 +252,7 @@ def receive_missing_files(
     if own_missing:
         error = f"{checkpoint_dir} lacks this host's own file(s) {own_missing[:3]}."
     # 1. Which files each host holds, and whether it can take part.
-    mine = torch.tensor([*have, error is None], dtype=torch.uint8)
-    held = {node: torch.zeros(world_size + 1, dtype=torch.uint8) for node in leaders}
-    works = [dist.isend(mine, leader) for leader in leaders.values()]
-    works += [dist.irecv(held[node], leader) for node, leader in leaders.items()]
-    _wait(works)
+    held = _exchange_with_leaders(torch.tensor([*have, error is None], dtype=torch.uint8), leaders)
     failed = [node for node, flags in held.items() if not flags[world_size]]
     if error is not None:
         raise CheckpointError(error)
@@ -331,11 +341,7 @@ def _sender(world: HostWorld, rank: int) -> int:
 
 def _agree_among_leaders(world: HostWorld, leaders: Mapping[int, int], error: Optional[str]) -> None:
     """Raise on every host's first worker when any of them has ``error`` (theirs says which host)."""
-    flag = torch.tensor([error is not None], dtype=torch.uint8)
-    flags = {node: torch.zeros(1, dtype=torch.uint8) for node in leaders}
-    works = [dist.isend(flag, leader) for leader in leaders.values()]
-    works += [dist.irecv(flags[node], leader) for node, leader in leaders.items()]
-    _wait(works)
+    flags = _exchange_with_leaders(torch.tensor([error is not None], dtype=torch.uint8), leaders)
     if error is not None:
         raise CheckpointError(error + ".")
     failed = [world.describe(node) for node, value in flags.items() if value.item()]
