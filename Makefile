@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-toy test test-all lint clean
+.PHONY: install demo demo-toy demo-capacity test test-all lint clean
 
 # torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
 $(BIN)/python:
@@ -38,6 +38,14 @@ demo: install
 # The smallest example: a regression model in a few seconds.
 demo-toy: install
 	cd examples/toy && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/toy
+
+# A GPT-2 that DDP cannot train in 1.4 GiB per process and FSDP (either backend) can: the limit
+# (`ulimit -d`, in KiB) is on each whole run, main process included. The DDP run is expected to
+# fail; its exit status is ignored.
+demo-capacity: install
+	-cd examples/capacity && ulimit -d 1468006 && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/capacity-ddp --ext-var engine=ddp
+	cd examples/capacity && ulimit -d 1468006 && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/capacity
+	cd examples/capacity && ulimit -d 1468006 && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/capacity-fsdp2 --ext-var engine=fsdp2
 
 # `make test` (what CI runs) leaves out three kinds of long end-to-end runs, which `make test-all`
 # adds: the memory-budget example (marked `capacity`: minutes under a per-worker memory limit), the

@@ -9,12 +9,14 @@ Capacity: the largest GPT-2 that each configuration trains within a per-worker m
 The model family is GPT-2 small's width (768, 12 heads) with a byte vocabulary (257), 64
 positions and a variable depth: each block adds 7.08 M parameters and nothing else changes, so a
 depth is a clean parameter count. A trial is one ``tango run`` of ``torch::train``: 3 AdamW steps
-at 2 sequences per worker, every worker capped by ``RLIMIT_DATA`` from before it builds the model
-until its last checkpoint is written (the ``benchmark::*_limited`` engines of ``components.py``).
-It fits if the run exits 0. For each configuration and number of workers a search of a few
-trials finds the largest depth that fits and the smallest that fails: a first guess from a
-memory model (learned from the searches before it), predictions from the measured peak of each
-fitting trial, halving the interval when a prediction falls outside it.
+at 2 sequences per worker, with one checkpoint, the ``tango run`` process capped by
+``RLIMIT_DATA`` (soft and hard) before it starts, so that the main process and every worker it
+spawns are in the budget from start to exit. It fits if the run exits 0 with its ``weights.pt``
+and its cached step result. The ``benchmark::*_limited`` engines of ``components.py`` record each
+worker's peaks (training, and worker 0's consolidation). For each configuration and number of
+workers a search of a few trials finds the largest depth that fits and the smallest that fails:
+a first guess from a memory model (learned from the searches before it), predictions from the
+measured peak of each fitting trial, halving the interval when a prediction falls outside it.
 
 ``--budget auto`` (the default) first runs DDP on 2 workers without a limit on the smallest model
 of 50 M parameters or more, and takes its peak, rounded up to 64 MiB, as the budget.
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -120,8 +123,6 @@ def experiment(
         "optimizer": {"type": "torch::AdamW", "lr": 1e-4},
         **engine_options,
     }
-    if args.budget_bytes is not None:
-        engine["memory_limit"] = args.budget_bytes
     return {
         "steps": {
             "data": {
@@ -145,10 +146,9 @@ def experiment(
                 "device_count": world_size,
                 "distributed_port": free_port(),
                 "callbacks": [{"type": "benchmark::capacity_record", "output_dir": str(records)}],
-                # The step's result is the final model, which the main process builds in full
-                # anyway; caching it as well would cost seconds and gigabytes per trial. An
-                # uncached step works in a temporary directory (under TMPDIR).
-                "cache_results": False,
+                # The step's result, the trained model, is built and cached in the workspace as a
+                # user's run would: it is part of what the budget has to hold.
+                "cache_results": True,
             },
         }
     }
@@ -196,14 +196,51 @@ def failure_reason(output: str, returncode: int) -> Tuple[bool, str]:
 #: ``tango run`` in a process that reports its own peak resident memory: the main process,
 #: which the budget leaves alone, builds the full model once more for the step's result.
 TANGO_MAIN = """
-import json, resource, sys
+import json, resource, sys, threading, time
 from tango.__main__ import main
+
+peak = [0]
+
+def vm_data():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+def sample():
+    while True:
+        peak[0] = max(peak[0], vm_data())
+        time.sleep(0.005)
+
+threading.Thread(target=sample, daemon=True).start()
 try:
     main(sys.argv[2:])
 finally:
     with open(sys.argv[1], "w") as handle:
-        json.dump({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, handle)
+        json.dump(
+            {
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_vm_data_bytes": max(peak[0], vm_data()),
+            },
+            handle,
+        )
 """
+
+
+def _limit_data(budget: Optional[int]) -> Optional[Callable[[], None]]:
+    """
+    ``preexec_fn`` that caps the ``tango run`` process at ``budget`` bytes of private memory
+    (``RLIMIT_DATA``, soft and hard): its workers inherit the limit, so every process of the run,
+    the main process included, is in the budget from start to exit.
+    """
+    if budget is None:
+        return None
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
+
+    return limit
 
 
 @dataclass
@@ -227,10 +264,13 @@ class Trial:
     #: parameters, gradients and optimizer state after the last step, tensor by tensor.
     state_bytes: Optional[int] = None
     losses: Optional[List[float]] = None
-    #: Worker 0's consolidation of weights.pt after training (not limited).
+    #: The workers' peak while training (up to the last checkpoint), the largest over the workers.
+    training_vm_data_bytes: Optional[int] = None
+    #: Worker 0's peak while it consolidates weights.pt after training.
     consolidation_vm_data_bytes: Optional[int] = None
-    #: The main ``tango`` process (not limited).
+    #: The main ``tango`` process, from start to exit (the step's result built and cached).
     main_peak_rss_bytes: Optional[int] = None
+    main_peak_vm_data_bytes: Optional[int] = None
 
 
 def run_trial(
@@ -256,7 +296,13 @@ def run_trial(
     start = time.monotonic()
     try:
         result = subprocess.run(
-            command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=args.trial_timeout
+            command,
+            cwd=run_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.trial_timeout,
+            preexec_fn=_limit_data(args.budget_bytes),
         )
         returncode, output = result.returncode, result.stdout + result.stderr
     except subprocess.TimeoutExpired as error:
@@ -276,9 +322,18 @@ def run_trial(
     )
     try:
         if main_record.exists():
-            trial.main_peak_rss_bytes = json.loads(main_record.read_text())["peak_rss_bytes"]
+            main = json.loads(main_record.read_text())
+            trial.main_peak_rss_bytes = main["peak_rss_bytes"]
+            trial.main_peak_vm_data_bytes = main.get("peak_vm_data_bytes")
         workers = [json.loads(p.read_text()) for p in sorted(records.glob("capacity_worker*.json"))]
-        if trial.fits and len(workers) != world_size:
+        # What the user needs from the run: the trained weights and the step's cached result.
+        step_dirs = list((run_dir / "ws" / "cache").glob("TorchTrainStep-*"))
+        finished = bool(step_dirs) and all(
+            (step / "work" / "weights.pt").is_file() and (step / "data.pt").is_file() for step in step_dirs
+        )
+        if trial.fits and not finished:
+            trial.fits, trial.error = False, "exit 0 without weights.pt and the step result"
+        elif trial.fits and len(workers) != world_size:
             trial.fits, trial.error = False, f"{len(workers)} of {world_size} worker records"
         elif trial.fits:
             # The worker that needs the most decides what fits.
@@ -287,6 +342,7 @@ def run_trial(
             trial.peak_vm_size_bytes = max(w["peak_vm_size_bytes"] for w in workers)
             trial.runtime_bytes = max(w["vm_data_at_limit_bytes"] for w in workers)
             trial.state_bytes = max(w["state_bytes"] for w in workers)
+            trial.training_vm_data_bytes = max(w["peak_vm_data_bytes"] for w in workers)
             trial.losses = workers[0]["losses"]
             consolidation = records / "capacity_consolidation.json"
             if consolidation.exists():
@@ -517,10 +573,10 @@ def markdown(data: Dict[str, Any]) -> str:
         f"GPT-2 of width {shape['n_embd']} ({shape['n_head']} heads, vocabulary {shape['vocab_size']}, "
         f"{shape['n_positions']} positions) and variable depth, {block_parameters(shape) / 1e6:.2f} M "
         f"parameters per block. Each trial is a `tango run` of {settings['steps']} AdamW steps at "
-        f"{settings['batch_size']} sequences per worker, every worker capped by `RLIMIT_DATA` at "
-        f"**{mib(budget)}** from before it builds the model until its last checkpoint is written; it "
-        "fits if the run exits 0. Not limited: the main `tango` process, which builds the full model "
-        "again for the step's result, and worker 0's consolidation of `weights.pt` after training.",
+        f"{settings['batch_size']} sequences per worker with one checkpoint, the whole run capped by "
+        f"`RLIMIT_DATA` at **{mib(budget)}** per process (`ulimit -d` before `tango run`: the main "
+        "process and every worker it spawns, from start to exit); it fits if the run exits 0 with "
+        "its `weights.pt` and its cached step result (the trained model).",
         "",
     ]
     if calibration:
@@ -593,53 +649,63 @@ def markdown(data: Dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "## Outside the budget, and what the limit counts",
+        "## Where each process peaks",
         "",
-        "The budget is `RLIMIT_DATA`: private writable memory (VmData). Its sampled peak is within a "
-        "few tens of MiB of the resident peak (RSS) in every configuration below, while the peak "
-        "virtual size, what `RLIMIT_AS` would have to allow, is hundreds of MiB more (shared "
-        "libraries, reserved address space). Not limited, and larger than the budget for the large "
-        "models: the main `tango` process, which builds the whole model again for the step's "
-        "result, and worker 0 while it consolidates `weights.pt` from the shards after training.",
+        "In the largest model that fits, the sampled peak private memory (VmData, what the budget "
+        "limits) of the workers while training (the largest over the workers), of worker 0 while it "
+        "writes `weights.pt` from the shards after training, and of the main `tango` process from "
+        "start to exit (it builds the step's result, the trained model, and caches it). The model's "
+        "weights in float32 for comparison: the main process holds one copy of them.",
         "",
-        "| config | workers | peak VmData | peak RSS | peak virtual | main process RSS "
-        "| worker 0 consolidating |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| config | workers | training | consolidation (worker 0) | main process | weights (fp32) "
+        "| peak RSS (workers) | peak virtual (workers) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         fit = r["fit"]
         if not fit or not fit.get("peak_vm_data_bytes"):
             continue
         lines.append(
-            f"| `{r['config']}` | {r['world_size']} | {mib(fit['peak_vm_data_bytes'])} "
-            f"| {mib(fit['peak_rss_bytes'])} | {mib(fit['peak_vm_size_bytes'])} "
-            f"| {mib(fit['main_peak_rss_bytes'])} | {mib(fit['consolidation_vm_data_bytes'])} |"
+            f"| `{r['config']}` | {r['world_size']} | {mib(fit.get('training_vm_data_bytes'))} "
+            f"| {mib(fit['consolidation_vm_data_bytes'])} | {mib(fit.get('main_peak_vm_data_bytes'))} "
+            f"| {mib(fit['parameters'] * 4)} | {mib(fit['peak_rss_bytes'])} "
+            f"| {mib(fit['peak_vm_size_bytes'])} |"
         )
     lines += ["", *targets(records), "", "![parameters trainable per budget](capacity.png)", ""]
     return "\n".join(lines)
 
 
-#: (world size, minimum ratio of `fsdp`'s trainable parameters to DDP's): the issue's targets.
-TARGETS = [(2, 1.8), (4, 3.2)]
+#: (config, world size, minimum ratio of its trainable parameters to DDP's): the targets, for both
+#: backends, and with activation checkpointing.
+TARGETS = [
+    ("fsdp", 2, 1.8),
+    ("fsdp", 4, 3.2),
+    ("fsdp2", 2, 1.8),
+    ("fsdp2", 4, 3.2),
+    ("fsdp_ckpt", 2, 2.0),
+    ("fsdp_ckpt", 4, 3.6),
+]
 
 
 def targets(records: List[Dict[str, Any]]) -> List[str]:
     by_key = {(r["config"], r["world_size"]): r for r in records}
     lines = [
-        "## Targets (`fsdp` against DDP, at a budget where DDP trains 50 M parameters or more)",
+        "## Targets (against DDP, at a budget where DDP trains 50 M parameters or more)",
         "",
-        "| workers | target | measured | |",
-        "|---:|---:|---:|---|",
+        "| config | workers | target | measured | |",
+        "|---|---:|---:|---:|---|",
     ]
-    for world_size, minimum in TARGETS:
-        record, ddp = by_key.get(("fsdp", world_size)), by_key.get(("ddp", world_size))
+    for config, world_size, minimum in TARGETS:
+        record, ddp = by_key.get((config, world_size)), by_key.get(("ddp", world_size))
         if record is None or record["vs_ddp"] is None or ddp is None:
             continue
         if (ddp["fit_parameters"] or 0) >= 50e6:
             verdict = "met" if record["vs_ddp"] >= minimum else "missed"
         else:
             verdict = "n/a: DDP trains less than 50 M here"
-        lines.append(f"| {world_size} | >= {minimum:.1f} x | {record['vs_ddp']:.2f} x | {verdict} |")
+        lines.append(
+            f"| `{config}` | {world_size} | >= {minimum:.1f} x | {record['vs_ddp']:.2f} x | {verdict} |"
+        )
     return lines
 
 
@@ -845,7 +911,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "configs": configs,
             "shape": args.shape,
             "block_parameters": block_parameters(args.shape),
-            "limit": "RLIMIT_DATA (soft) in every worker, from engine construction to the last checkpoint",
+            "limit": "RLIMIT_DATA on the tango run process and so every worker, from start to exit",
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         },
         "budget_bytes": args.budget_bytes,

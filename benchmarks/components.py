@@ -207,6 +207,12 @@ def _status_bytes(key: str) -> int:
     return 0
 
 
+def _data_limit() -> Optional[int]:
+    """This process's soft ``RLIMIT_DATA`` in bytes; ``None`` when there is none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def _vm_data_bytes() -> int:
     """The process's current private writable memory: what RLIMIT_DATA is checked against."""
     return _status_bytes("VmData")
@@ -357,7 +363,8 @@ class CapacityRecord(TrainCallback):
             "losses": self.losses,
             # This worker's share (a shard under FSDP, everything under DDP).
             "local_parameters": sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()),
-            "limit_bytes": _LIMIT_RECORD.get("limit_bytes"),
+            # The engine's memory_limit, else the limit the process was started under (ulimit -d).
+            "limit_bytes": _LIMIT_RECORD.get("limit_bytes") or _data_limit(),
             "vm_data_at_limit_bytes": _LIMIT_RECORD.get("vm_data_at_limit_bytes"),
             # The high-water marks so far: the limit is still on (it is lifted after this).
             "peak_vm_data_bytes": max(_SAMPLER.peak, _vm_data_bytes()),

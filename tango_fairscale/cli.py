@@ -15,6 +15,7 @@ A bad argument ends the command with one ``error: ...`` line on stderr and exit 
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -78,20 +79,33 @@ def consolidate(
     marker = checkpointing.read_marker(checkpoint_dir)
     assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
-    total = consolidation.files_to_read(marker, with_optimizer)
-    with tqdm(total=total, desc="Reading shards", unit="file") as progress:
-        result = consolidation.consolidate(
-            checkpoint_dir, with_optimizer=with_optimizer, progress=lambda: progress.update()
-        )
-    model = result["model"] if with_optimizer else result
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        checkpointing.atomic_save(result, output)
-    except OSError as error:
-        raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
-    numel = sum(t.numel() for t in model.values())
+    if with_optimizer:
+        # The optimizer state is consolidated whole (it is only read offline, for inspection).
+        total = consolidation.files_to_read(marker, with_optimizer)
+        with tqdm(total=total, desc="Reading shards", unit="file") as progress:
+            result = consolidation.consolidate(
+                checkpoint_dir, with_optimizer=with_optimizer, progress=lambda: progress.update()
+            )
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            checkpointing.atomic_save(result, output)
+        except OSError as error:
+            raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+        shapes = [tuple(t.shape) for t in result["model"].values()]
+    else:
+        # The model one tensor at a time: no more memory than its largest tensor.
+        source = consolidation.model_source(checkpoint_dir)
+        tensors = [entry for entry in source.entries if entry.alias_of is None]
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            with tqdm(total=len(tensors), desc="Writing tensors", unit="tensor") as progress:
+                consolidation.save_model(source, output, progress=lambda: progress.update())
+        except OSError as error:
+            raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+        shapes = [entry.shape for entry in source.entries]
+    numel = sum(math.prod(shape) for shape in shapes)
     print(
-        f"Wrote {output} from {world_size} shards of {checkpoint_dir}: {len(model)} tensors, "
+        f"Wrote {output} from {world_size} shards of {checkpoint_dir}: {len(shapes)} tensors, "
         f"{numel:,} elements{', with optimizer state' if with_optimizer else ''}."
     )
 

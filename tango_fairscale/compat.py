@@ -59,17 +59,24 @@ T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for eve
     A lost host, or one that failed first, ends the step with an error naming it. (e) While the
     workers run, SIGINT and SIGTERM to the main process stop them
     (:func:`tango_fairscale.launch.stop_workers_on_signals`): Tango left them training, orphaned
-    (SIGTERM) or waited for by a main process that had printed ``Aborted!`` (SIGINT).
+    (SIGTERM) or waited for by a main process that had printed ``Aborted!`` (SIGINT). (f) On
+    steps of the engine, the model Tango builds in the main process after training, the step's
+    result, is built on ``meta`` and takes ``weights.pt``'s tensors as they are
+    (:mod:`tango_fairscale.step_result`): Tango's build-then-copy held the weights twice.
 T2. ``tango.integrations.torch.train._train``, the worker function Tango's ``_train`` passes to
     ``mp.spawn``, is replaced by :func:`_train_worker`, which calls it: a distributed worker is
     killed when its main process dies (``PR_SET_PDEATHSIG``; torch's spawn asks for SIGINT, which
     a worker blocked in a collective does not see), and in a launch across hosts (T1 (d)) the
     worker's spawn index becomes its global rank and its ``TrainConfig`` the global one (world
     size, store address, devices indexed per host, each host's first worker its
-    ``is_local_main_process``). A worker that finished training destroys its process group
-    before it exits: left to interpreter shutdown, gloo's threads were now and then torn down
-    unjoined and the worker aborted (SIGABRT), failing a run that had trained. A module-level
-    function, so that ``mp.spawn`` pickles it by name.
+    ``is_local_main_process``). A worker that finished training closes its process groups before
+    it exits (:func:`tango_fairscale.teardown.close_process_groups`): destroyed, released by the
+    device meshes that torch's DTensor caches keep alive, and collected, so that gloo's threads
+    are joined while the interpreter lives. Left to interpreter shutdown, a gloo thread that
+    finished the last collective asked for the GIL during finalization, was ended by
+    ``pthread_exit`` and aborted the worker (SIGABRT, "terminate called without an active
+    exception"): one torch-backend run in six failed after it had written everything. A
+    module-level function, so that ``mp.spawn`` pickles it by name.
 T3. ``tango.common.registrable.import_module_and_submodules``, as Tango's registry search for an
     unregistered type name calls it: an integration failing on an absent third-party package
     (``datasets`` for the ``transformers`` integration) counts as a missing integration, as
@@ -101,6 +108,7 @@ import torch.nn as nn
 
 from .cpu.collectives import GlooCollectives
 from .cpu.streams import NullStream, TorchWithCpuStreams, noop_record_stream
+from .teardown import close_process_groups
 
 logger = logging.getLogger(__name__)
 
@@ -302,10 +310,12 @@ def _wrap_train_step() -> None:
     def _train(
         self: Any, model: Any, training_engine: Any, dataset_dict: Any, train_dataloader: Any, **kwargs: Any
     ) -> Any:
+        from tango.common import Lazy
         from tango.common.exceptions import ConfigurationError
 
         from .launch import detect_launch, rendezvous_store, stop_workers_on_signals
         from .preflight import preflight, uses_fairscale_engine
+        from .step_result import FinalModelOnMeta, finish_result
 
         # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
         tango_util.get_extra_imported_modules().add(PACKAGE)
@@ -340,8 +350,11 @@ def _wrap_train_step() -> None:
             )
         if not distributed:
             return original(self, *args, **kwargs)
+        if on_fairscale and isinstance(model, Lazy):
+            # (f) The final model in this process: on meta, the weights assigned, not copied.
+            args = (FinalModelOnMeta(model), *args[1:])
         if launch is not None:
-            return _train_across_hosts(self, launch, original, args, kwargs)
+            return finish_result(_train_across_hosts(self, launch, original, args, kwargs))
         # (c) Served from this process for the life of the step (see tango_fairscale.launch).
         configured = getattr(self, "_config", None) or {}
         with (
@@ -352,7 +365,7 @@ def _wrap_train_step() -> None:
             stop_workers_on_signals(),
         ):
             kwargs["distributed_port"] = port
-            return original(self, *args, **kwargs)
+            return finish_result(original(self, *args, **kwargs))
 
     _train._tango_fairscale = True  # type: ignore[attr-defined]
     step_class._train = _train  # type: ignore[method-assign]
@@ -392,12 +405,11 @@ def _train_worker(process_index: int, workspace: Any, config: Any, *args: Any, *
         os.environ.update(launching.worker_environment(world, process_index))
         host_config = launching.worker_train_config(config, world)
         result = original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
-    # Tango leaves the process group to interpreter shutdown, where gloo's threads could be torn
-    # down unjoined: a worker that had finished training aborted ("terminate called without an
-    # active exception", SIGABRT) and failed the run, now and then. Not collective: each worker
-    # closes its own end.
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    # Tango leaves the process group to interpreter shutdown, where a gloo thread finishing the
+    # last collective could ask for the GIL and abort the worker (SIGABRT) after everything was
+    # written: see tango_fairscale.teardown. Only on success: a worker that raised may have a peer
+    # inside a collective with it, and its error must reach the main process without waiting.
+    close_process_groups()
     return result
 
 

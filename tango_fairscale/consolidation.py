@@ -3,15 +3,66 @@ One full state dict from a checkpoint of either backend: FairScale's flat shards
 (:mod:`tango_fairscale.checkpointing`) or PyTorch FSDP2's DCP files
 (:mod:`tango_fairscale.backends.torch_fsdp_checkpoint`), told apart by the marker. Used by the
 engine for the step's ``weights.pt`` and by ``python -m tango_fairscale consolidate``.
+
+The model alone is written one tensor at a time (:func:`model_source`, :func:`save_model`): the
+shards are mapped, not read into private memory, and each full tensor is built, written and
+dropped before the next, so consolidating needs the largest tensor's memory, not the model's.
 """
 
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence
 
 import torch
 
 from . import checkpointing
 from .checkpointing.formats import is_torch_checkpoint
+from .checkpointing.resharding import ConsolidatedModel
+from .checkpointing.streaming import TensorEntry, stream_save
+
+
+class ModelSource(Protocol):
+    """A consolidated model state dict, one tensor at a time (either backend's checkpoint)."""
+
+    @property
+    def entries(self) -> Sequence[TensorEntry]: ...
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor: ...
+
+
+def fairscale_model_source(shards: Sequence[Dict[str, Any]]) -> ModelSource:
+    """The model of FairScale model files (``{"weights", "metadata", ...}``, one per worker)."""
+    return ConsolidatedModel(list(shards))
+
+
+def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
+    """
+    The plain model's state dict of a complete checkpoint (resolved by the caller), to be written
+    by :func:`save_model`. Every file is checked against the marker first (SHA-256 with ``hashes``).
+    """
+    marker = checkpointing.require_complete(checkpoint_dir)
+    if is_torch_checkpoint(marker):
+        # Here, not at the top: the fairscale path does without DCP's imports (a second each).
+        from .backends.torch_fsdp_checkpoint import dcp_model_source
+
+        return dcp_model_source(checkpoint_dir, hashes=hashes)
+    shards = [
+        # Mapped and shared: the pages are the page cache's, not this process's private memory.
+        checkpointing.read_worker_state(
+            checkpoint_dir, marker, worker, "model", mmap=True, shared=True, hashes=hashes
+        )
+        for worker in range(marker["world_size"])
+    ]
+    return fairscale_model_source(shards)
+
+
+def save_model(source: ModelSource, path: Path, *, progress: Optional[Callable[[], None]] = None) -> None:
+    """Write ``source`` to ``path`` (atomically) as ``torch.save`` would, one tensor at a time."""
+    stream_save(
+        source.entries,
+        source.produce,
+        Path(path),
+        progress=None if progress is None else lambda _: progress(),
+    )
 
 
 def consolidate(
@@ -23,6 +74,7 @@ def consolidate(
     name. Every file is checked against the marker before it is read. ``progress`` is called once
     per file read.
     """
+    # Here, not at the top: the fairscale path does without DCP's imports (a second each).
     from .backends.torch_fsdp_checkpoint import consolidate_dcp
 
     marker = checkpointing.require_complete(checkpoint_dir)

@@ -3,6 +3,7 @@
 Fully Sharded Data Parallel (ZeRO-3) instead of replicated by DDP.
 """
 
+import gc
 import logging
 import os
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -744,11 +745,29 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         state["callbacks"] = []
         return state
 
+    def _release_training_state(self) -> None:
+        """
+        Drop the optimizer state and the gradients, before ``weights.pt`` is written. Tango calls
+        :meth:`save_complete_weights_from_checkpoint` once, after the training loop and the last
+        checkpoint, as the last thing a worker does; the memory the optimizer's moments took
+        (two thirds of a worker's model state under AdamW) is then free for consolidating, which
+        otherwise needed room beside the whole training state.
+        """
+        self.optimizer.state.clear()
+        for parameter in self.model.parameters():
+            parameter.grad = None
+        # And what training left in reference cycles (autograd graphs, checkpoint planners).
+        gc.collect()
+
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        # Written one tensor at a time from shards that are mapped, not read into private memory
+        # (tango_fairscale.consolidation): this worker still holds its training state, and the
+        # whole model beside it would make the end of a run need more memory than training did.
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
+        self._release_training_state()
         checkpoint_dir = Path(checkpoint_dir).resolve()
         if self.hosts is not None and self.backend == "torch":
-            from .backends.torch_fsdp_checkpoint import consolidate_dcp_part
+            from .backends.torch_fsdp_checkpoint import dcp_part_model_source
 
             # As below, with DCP's data files (one per worker: save_sharded writes
             # single_file_per_rank), which hold the optimizer state besides the model's.
@@ -759,19 +778,17 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                     lambda marker, rank: next(iter(dcp_files_of_worker(marker, rank)), None),
                     received_dir,
                 )
-                full_state = consolidate_dcp_part(
-                    checkpoint_dir, received_dir, hashes=self.verify_checkpoints
-                )
+                part = dcp_part_model_source(checkpoint_dir, received_dir, hashes=self.verify_checkpoints)
+                consolidation.save_model(part, Path(weights_path))
         elif self.hosts is not None:
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
             shards = multihost.gather_model_shards(checkpoint_dir, self.hosts, hashes=self.verify_checkpoints)
-            full_state = checkpointing.consolidate_model_state(shards)
-            del shards
+            consolidation.save_model(consolidation.fairscale_model_source(shards), Path(weights_path))
         else:
             # Either backend's format, told apart by the marker.
-            full_state = consolidation.consolidate(checkpoint_dir)
-        checkpointing.atomic_save(full_state, Path(weights_path))
+            source = consolidation.model_source(checkpoint_dir, hashes=self.verify_checkpoints)
+            consolidation.save_model(source, Path(weights_path))
 
 
 @contextmanager

@@ -178,6 +178,10 @@ def gather_model_shards(
                     marker,
                     rank,
                     "model",
+                    # Mapped and shared, so that consolidating holds none of it in private memory;
+                    # the mapping outlives the received file's removal.
+                    mmap=True,
+                    shared=True,
                     # A received file was hashed on arrival.
                     hashes=hashes and not sent,
                 )

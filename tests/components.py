@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
+from tango import Step
+from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TrainCallback, TrainingEngine
 
 from tango_fairscale import FairScaleTrainingEngine
@@ -376,3 +378,54 @@ class MyModel(Model):
         for layer in self.transformer.h:  # type: ignore[union-attr]
             hidden = layer(hidden)
         return {"loss": torch.nn.functional.mse_loss(self.head(hidden).squeeze(-1), y)}
+
+
+@Model.register("test::tied_lm")
+class TiedLM(Model):
+    """
+    A tiny causal language model whose output head shares the token embedding's weight (as GPT-2's
+    and Llama's tied heads do): ``num_blocks`` residual blocks between them.
+    """
+
+    def __init__(self, vocab_size: int = 64, width: int = 32, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width), torch.nn.GELU())
+            for _ in range(num_blocks)
+        )
+        self.head = torch.nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hidden = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        logits = self.head(hidden)
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())}
+
+
+@Step.register("test::token_data")
+class TokenData(Step):
+    """Random token sequences (``tokens``) with a learnable pattern: ``train`` and ``validation`` splits."""
+
+    DETERMINISTIC = True
+    CACHEABLE = True
+
+    def run(  # type: ignore[override]
+        self,
+        vocab_size: int = 64,
+        length: int = 16,
+        train_size: int = 256,
+        validation_size: int = 64,
+        seed: int = 0,
+    ) -> DatasetDict:
+        generator = torch.Generator().manual_seed(seed)
+
+        def make(size: int) -> list:
+            start = torch.randint(vocab_size, (size, 1), generator=generator)
+            stride = torch.randint(1, 4, (size, 1), generator=generator)
+            tokens = (start + stride * torch.arange(length)) % vocab_size
+            return [{"tokens": tokens[i]} for i in range(size)]
+
+        return DatasetDict(splits={"train": make(train_size), "validation": make(validation_size)})

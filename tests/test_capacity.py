@@ -6,13 +6,15 @@ budget.
 """
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
 
 import pytest
-import yaml
+import torch
+from tango.workspaces import LocalWorkspace
 
 from benchmarks.capacity import (
     SHAPES,
@@ -28,8 +30,9 @@ from benchmarks.components import parse_bytes
 from tests.helpers import REPO, free_port
 
 EXAMPLE_DIR = REPO / "examples" / "capacity"
-#: The example's per-worker budget, as its tango.yml sets it.
-BUDGET = yaml.safe_load((EXAMPLE_DIR / "tango.yml").read_text())["environment"]["memory_limit"]
+#: The example's budget for each process of the run: `ulimit -d 1468006` (KiB) in its README.
+BUDGET_KIB = 1468006
+assert f"ulimit -d {BUDGET_KIB}" in (EXAMPLE_DIR / "README.md").read_text()
 TANGO = str(Path(sys.executable).with_name("tango"))
 MIB = 2**20
 
@@ -229,6 +232,9 @@ def run_example(workspace: Path, *ext_vars: str) -> "subprocess.CompletedProcess
     for ext_var in ext_vars:
         command += ["--ext-var", ext_var]
     command += ["--overrides", json.dumps({"steps.train.distributed_port": free_port()})]
+    def limit() -> None:  # `ulimit -d`: the tango run process, so every worker too
+        resource.setrlimit(resource.RLIMIT_DATA, (BUDGET_KIB * 1024, BUDGET_KIB * 1024))
+
     return subprocess.run(
         command,
         cwd=EXAMPLE_DIR,
@@ -236,6 +242,7 @@ def run_example(workspace: Path, *ext_vars: str) -> "subprocess.CompletedProcess
         text=True,
         timeout=600,
         check=False,
+        preexec_fn=limit,
     )
 
 
@@ -256,16 +263,25 @@ def test_example_ddp_runs_out_of_memory(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.capacity
-def test_example_fsdp_trains_in_the_same_budget(tmp_path: Path) -> None:
-    workspace = tmp_path / "fsdp"
-    result = run_example(workspace)
+@pytest.mark.parametrize("engine", ["fsdp", "fsdp2"])
+def test_example_fsdp_trains_in_the_same_budget(tmp_path: Path, engine: str) -> None:
+    workspace = tmp_path / engine
+    result = run_example(workspace, f"engine={engine}")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     curve = [json.loads(line) for line in (work_dir(workspace) / "validation.jsonl").open()]
     assert len(curve) >= 2
     assert curve[-1]["loss"] < curve[0]["loss"] - 0.5, curve
-    # Each worker ran under the example's budget (tango.yml), and stayed in it.
+    # The run finished: weights.pt and the step's result, the trained model, equal to it.
+    weights = torch.load(work_dir(workspace) / "weights.pt", weights_only=True)
+    workspace_ = LocalWorkspace(workspace)
+    (run_name,) = workspace_.registered_runs().keys()
+    model = workspace_.step_result_for_run(run_name, "train")
+    state = model.state_dict()
+    assert max((state[k] - weights[k]).abs().max().item() for k in weights) == 0.0
+    # Each worker ran under the budget (inherited from the tango process), and stayed in it.
     for worker in (0, 1):
         record = json.loads((work_dir(workspace) / f"capacity_worker{worker}.json").read_text())
-        assert record["limit_bytes"] == parse_bytes(BUDGET)
+        assert record["limit_bytes"] == BUDGET_KIB * 1024
         assert record["peak_vm_data_bytes"] <= record["limit_bytes"]
+        print(f"[{engine}] worker {worker}: peak VmData {record['peak_vm_data_bytes'] / 2**20:,.0f} MiB")

@@ -68,3 +68,52 @@ def _check(rank: int, world_size: int, port: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_collectives_match_gloo(world_size: int) -> None:
     mp.spawn(_check, args=(world_size, free_port()), nprocs=world_size)
+
+
+def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tango_fairscale.cpu.fsdp2_collectives import RingAllGather, RingReduceScatter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(rank)
+    gather, scatter = RingAllGather(), RingReduceScatter()
+
+    # FSDP2's layout: one flat output, this worker's shard as the input.
+    shard = torch.randn(7, generator=generator)
+    want = torch.empty(7 * world_size)
+    dist.all_gather_into_tensor(want, shard)
+    got = gather.allocate((7 * world_size,), dtype=torch.float32, device=torch.device("cpu"))
+    assert gather(got, shard, group, async_op=True) is None  # done when it returns
+    assert torch.equal(got, want)
+
+    # Integer values, exact in any order; the average as gloo's (a sum, divided).
+    full = torch.randint(-50, 50, (6 * world_size,), generator=generator).float()
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        expected = torch.empty(6)
+        dist.reduce_scatter_tensor(expected, full.clone(), op=op)
+        out = torch.full((6,), float("nan"))
+        scatter(out, full.clone(), group, op=op)
+        assert torch.equal(out, expected), (op, out, expected)
+
+    # Installed on every unit of a model sharded by the torch backend on a CPU mesh.
+    from tango_fairscale import FSDPConfig, WrapPlan
+    from tango_fairscale.backends.torch_fsdp import shard_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, WrapPlan.build(model, ["0"]), FSDPConfig(), FSDPConfig(), mesh)
+    units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
+    assert len(units) == 2
+    for unit in units:
+        (param_group,) = unit._get_fsdp_state()._fsdp_param_groups
+        assert isinstance(param_group._all_gather_comm, RingAllGather)
+        assert isinstance(param_group._reduce_scatter_comm, RingReduceScatter)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_ring_collectives_match_gloo(world_size: int) -> None:
+    mp.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)

@@ -38,3 +38,15 @@ def test_every_config_field_has_a_docstring() -> None:
     source = inspect.getsource(FSDPConfig)
     for name in FSDPConfig.field_names():
         assert re.search(rf"^    {name}: .*\n    \"\"\"\n", source, flags=re.MULTILINE), name
+
+
+def test_architecture_lists_every_module() -> None:
+    package = REPO / "tango_fairscale"
+    text = (REPO / "docs" / "architecture.md").read_text()
+    modules = [
+        path.relative_to(package).as_posix()
+        for path in sorted(package.rglob("*.py"))
+        if path.name not in ("__init__.py", "__main__.py", "version.py")
+    ]
+    missing = [module for module in modules if f"`{module}`" not in text]
+    assert not missing, f"docs/architecture.md does not say what these modules own: {missing}"

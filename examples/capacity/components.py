@@ -1,10 +1,10 @@
 """
 The pieces of the capacity example: the GPT-2 model and byte-level data steps of
 ``examples/train_gpt2``, and the training engines of the capacity benchmark
-(``benchmarks/components.py``) that cap each worker's memory: ``"benchmark::torch_limited"`` is
+(``benchmarks/components.py``) that record each worker's memory: ``"benchmark::torch_limited"`` is
 Tango's ``"torch"`` engine (DDP) and ``"benchmark::fairscale_limited"`` this plugin's
-``"fairscale"`` engine, each with a ``memory_limit`` that becomes the worker's ``RLIMIT_DATA``
-before it builds the model. The same code enforces the budget here and in the benchmark.
+``"fairscale"`` engine. The budget is ``ulimit -d`` on the whole ``tango run`` (README.md), as in
+the benchmark.
 """
 
 import sys

@@ -1,17 +1,16 @@
-// A GPT-2 that does not fit in 1.4 GiB per worker under Tango's DDP engine, trained on the same two
-// CPU workers and the same budget with this plugin's FSDP. See README.md.
+// A GPT-2 that does not fit in 1.4 GiB per process under Tango's DDP engine, trained on the same
+// two CPU workers and the same budget with this plugin's FSDP, either backend. See README.md.
 //
 //   cd examples/capacity
-//   tango run config.jsonnet -w ../../workspace/capacity                    # FSDP: trains
-//   tango run config.jsonnet -w ../../workspace/capacity --ext-var engine=ddp  # DDP: out of memory
+//   ulimit -d 1468006   # 1.4 GiB of private memory for tango run and every worker it spawns
+//   tango run config.jsonnet -w ../../workspace/capacity                      # FSDP: trains
+//   tango run config.jsonnet -w ../../workspace/capacity-fsdp2 --ext-var engine=fsdp2
+//   tango run config.jsonnet -w ../../workspace/capacity-ddp --ext-var engine=ddp  # out of memory
 //
-// tango.yml sets the two external variables (Tango passes environment variables to jsonnet as
+// tango.yml sets the external variable (Tango passes environment variables to jsonnet as
 // external variables); --ext-var wins.
 local engine = std.extVar("engine");
-// Per worker: the worker's RLIMIT_DATA (its private memory: heap and anonymous mappings), set
-// by the engine before the model is built. "none" for no limit.
-local memory_limit = std.extVar("memory_limit");
-assert engine == "fsdp" || engine == "ddp" : "engine: 'fsdp' or 'ddp', got '%s'" % engine;
+assert engine == "fsdp" || engine == "fsdp2" || engine == "ddp" : "engine: 'fsdp', 'fsdp2' or 'ddp', got '%s'" % engine;
 
 local device_count = 2;
 // GPT-2 small's width and heads, 9 blocks: 64.0 M parameters.
@@ -28,24 +27,29 @@ local train_steps = 12;
 local validate_every = 4;
 local batch_size = 2;
 
+// FSDP: each block is its own unit; a worker holds a shard of everything, and one block's full
+// parameters while it computes.
+local fsdp_model = {
+  type: "fairscale::with_wrapped_modules",
+  model: gpt2,
+  wrap_module_classes: ["GPT2Block"],
+  fsdp_config: {},
+};
 local models = {
   // DDP: every worker holds the whole model, its gradients and AdamW's two moments.
   ddp: gpt2,
-  // FSDP: each block is its own unit; a worker holds a shard of everything, and one block's
-  // full parameters while it computes.
-  fsdp: {
-    type: "fairscale::with_wrapped_modules",
-    model: gpt2,
-    wrap_module_classes: ["GPT2Block"],
-    fsdp_config: {},
-  },
+  fsdp: fsdp_model,
+  fsdp2: fsdp_model,
 };
+// The engines record each worker's peak memory (benchmarks/components.py); the budget itself is
+// the ulimit on the whole run.
 local engines = {
-  // Tango's "torch" engine, with the per-worker limit.
+  // Tango's "torch" engine.
   ddp: { type: "benchmark::torch_limited" },
-  // This plugin's "fairscale" engine, with the same limit; init_on_meta: no worker ever
-  // builds the whole model.
+  // This plugin's "fairscale" engine; init_on_meta: no worker ever builds the whole model.
   fsdp: { type: "benchmark::fairscale_limited", init_on_meta: true },
+  // The same with PyTorch's FSDP2 doing the sharding.
+  fsdp2: { type: "benchmark::fairscale_limited", init_on_meta: true, backend: "torch" },
 };
 
 {
@@ -61,7 +65,6 @@ local engines = {
       model: models[engine],
       training_engine: engines[engine] {
         optimizer: { type: "torch::AdamW", lr: 0.0006 },
-        memory_limit: if memory_limit == "none" then null else memory_limit,
       },
       dataset_dict: { type: "ref", ref: "tokenized" },
       train_dataloader: {
@@ -82,7 +85,7 @@ local engines = {
       callbacks: [
         // Each validation loss, logged and appended to validation.jsonl in the work directory.
         { type: "gpt2::log_validation" },
-        // Each worker's limit and peak private memory, in capacity_worker<N>.json there.
+        // Each worker's limit (RLIMIT_DATA) and peak private memory, in capacity_worker<N>.json there.
         { type: "benchmark::capacity_record" },
       ],
     },

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from ..config import FSDPConfig, parse_dtype
+from ..cpu.fsdp2_collectives import use_ring_collectives
 from ..devices import worker_computes_on_cpu
 from ..materialize import has_meta_parameters, materialize_module, real_parameters
 from ..wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
@@ -325,6 +326,9 @@ def _shard(module: nn.Module, config: FSDPConfig, mesh: DeviceMesh, *, root: boo
     if buffer_dtype is not None:
         _cast_buffers(module, buffer_dtype)
     fully_shard(module, mesh=mesh, **kwargs)
+    if mesh.device_type == "cpu":
+        # Gloo's own all_gather_into_tensor / reduce_scatter_tensor copy whole buffers on CPU.
+        use_ring_collectives(module)
     if config.clear_autocast_cache:
         # Registered after fully_shard's own hooks, so it runs after the unit has resharded.
         module.register_forward_hook(_clear_autocast_cache)

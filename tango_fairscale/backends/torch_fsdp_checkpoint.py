@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _EmptyStateDictLoadPlanner,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -82,6 +82,7 @@ from ..checkpointing.formats import (
     holds_worker_files,
     is_torch_checkpoint,
 )
+from ..checkpointing.streaming import TensorEntry
 from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -581,6 +582,17 @@ def consolidate_dcp_part(checkpoint_dir: Path, received_dir: Path, *, hashes: bo
     ``received_dir``.
     """
     checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
+    marker, received = _link_part(checkpoint_dir, received_dir)
+    return _consolidate(
+        received_dir, checkpoint_dir, marker, with_optimizer=False, hashes=hashes, hashed=received
+    )
+
+
+def _link_part(checkpoint_dir: Path, received_dir: Path) -> Tuple[Dict[str, Any], Set[str]]:
+    """
+    Link this host's DCP files of ``checkpoint_dir`` in beside those received from the other hosts
+    in ``received_dir``; returns the marker and the names of the received files.
+    """
     marker = checkpointing.read_marker(checkpoint_dir)
     if marker is None:
         raise CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
@@ -594,9 +606,7 @@ def consolidate_dcp_part(checkpoint_dir: Path, received_dir: Path, *, hashes: bo
                 os.link(checkpoint_dir / name, received_dir / name)
             except OSError:  # a filesystem without hard links
                 shutil.copy2(checkpoint_dir / name, received_dir / name)
-    return _consolidate(
-        received_dir, checkpoint_dir, marker, with_optimizer=False, hashes=hashes, hashed=received
-    )
+    return marker, received
 
 
 def _consolidate(
@@ -639,6 +649,81 @@ def _consolidate(
     return {"model": model, "optimizer": optimizer}
 
 
+class ConsolidatedDcpModel:
+    """
+    The model part of :func:`consolidate_dcp`, one tensor at a time: :attr:`entries` from DCP's
+    metadata, :meth:`produce` reads one full tensor (each worker's chunks of it, nothing else).
+    With :func:`~tango_fairscale.checkpointing.streaming.stream_save` the peak is the largest
+    tensor, not the model. The files are checked against the marker here, before anything is
+    read; files in ``hashed`` were hashed already (received from another host), and only their
+    sizes are checked again.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        checkpoint_dir: Path,
+        marker: Dict[str, Any],
+        *,
+        hashes: bool = True,
+        hashed: AbstractSet[str] = frozenset(),
+    ) -> None:
+        names = _dcp_files(root, marker)
+        checkpointing.verify_files(
+            root, marker, [name for name in names if name not in hashed], hashes=hashes
+        )
+        checkpointing.verify_files(root, marker, [name for name in names if name in hashed], hashes=False)
+        self._allowed = {name[len(DCP_DIR) + 1 :] for name in names}
+        self._root = root
+        metadata = _SafeFileSystemReader(root / DCP_DIR, self._allowed).read_metadata()
+        self._fqns: Dict[str, str] = {}
+        entries: List[TensorEntry] = []
+        for fqn, item in metadata.state_dict_metadata.items():
+            if not fqn.startswith("model."):
+                continue
+            if not isinstance(item, TensorStorageMetadata):
+                raise CheckpointError(f"{checkpoint_dir}: the model entry {fqn!r} is not a tensor.")
+            name = plain_name(fqn[len("model.") :])
+            if name in self._fqns:
+                raise CheckpointError(f"{checkpoint_dir}: two saved entries are both named {name!r}.")
+            self._fqns[name] = fqn
+            entries.append(TensorEntry(name, tuple(item.size), item.properties.dtype))
+        self.entries = entries
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor:
+        """The full tensor of ``entry`` (one of :attr:`entries`), read from the DCP files."""
+        fqn = self._fqns[entry.name]
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        _dcp_call(
+            _load_state_dict,
+            {fqn: tensor},
+            storage_reader=_SafeFileSystemReader(self._root / DCP_DIR, self._allowed),
+            planner=_SafeLoadPlanner(),
+            no_dist=True,
+        )
+        return tensor
+
+
+def dcp_model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ConsolidatedDcpModel:
+    """:class:`ConsolidatedDcpModel` of a complete checkpoint of :func:`save_sharded`."""
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    marker = _require_torch_marker(checkpoint_dir)
+    return ConsolidatedDcpModel(checkpoint_dir, checkpoint_dir, marker, hashes=hashes)
+
+
+def dcp_part_model_source(
+    checkpoint_dir: Path, received_dir: Path, *, hashes: bool = True
+) -> ConsolidatedDcpModel:
+    """
+    :class:`ConsolidatedDcpModel` of a host's part of a checkpoint across hosts whose other DCP
+    data files were received into ``received_dir`` (see :func:`consolidate_dcp_part`); it reads
+    from ``received_dir``, which must outlive it.
+    """
+    checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
+    marker, received = _link_part(checkpoint_dir, received_dir)
+    return ConsolidatedDcpModel(received_dir, checkpoint_dir, marker, hashes=hashes, hashed=received)
+
+
 def _plain_keys(entries: Mapping[str, Any], checkpoint_dir: Path) -> Dict[str, Any]:
     result: Dict[str, Any] = {}
     for key, value in entries.items():
@@ -655,6 +740,8 @@ __all__ = [
     "METADATA_GLOBALS",
     "consolidate_dcp",
     "consolidate_dcp_part",
+    "dcp_model_source",
+    "dcp_part_model_source",
     "is_torch_checkpoint",
     "load_sharded",
     "plain_name",

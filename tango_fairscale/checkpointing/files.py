@@ -6,6 +6,7 @@ for the layout.
 
 import hashlib
 import json
+import mmap as mmap_module
 import os
 import pickle
 import queue
@@ -206,18 +207,30 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def safe_load(path: Path, mmap: bool = False) -> Any:
+def safe_load(path: Path, mmap: bool = False, shared: bool = False) -> Any:
     """
     ``torch.load(path, map_location="cpu", weights_only=True)``: tensors, containers and plain
     values only. A file that needs anything else (a pickled object or callable) is refused
     before any of it runs, with an error naming the file.
 
     With ``mmap=True`` the tensors are views of the file, read from disk only where they are
-    used: resharding reads every saved worker's file but needs a slice of each.
+    used: resharding reads every saved worker's file but needs a slice of each. With ``shared``
+    too, the mapping is shared (``MAP_SHARED``) rather than private: its pages are the page
+    cache's, not the process's private memory (``RLIMIT_DATA`` and cgroups count private
+    mappings in full). For files only read, never written through the tensors: a write would reach
+    the file. Where the file cannot be opened for writing (a read-only checkpoint), the mapping is
+    private.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint file {path} is missing.")
+    if mmap and shared and os.access(path, os.W_OK):
+        with torch.serialization.set_default_mmap_options(mmap_module.MAP_SHARED):
+            return _torch_load(path, mmap=True)
+    return _torch_load(path, mmap=mmap)
+
+
+def _torch_load(path: Path, mmap: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # what weights_only raises for a disallowed global
@@ -389,17 +402,19 @@ def read_worker_state(
     kind: str,
     *,
     mmap: bool = False,
+    shared: bool = False,
     hashes: bool = True,
 ) -> Any:
     """
     The state in worker ``rank``'s ``kind`` file of a complete checkpoint: the file checked
-    against the marker (:func:`verify_files`), loaded with ``weights_only`` (:func:`safe_load`)
-    and its header checked against this checkpoint (:func:`without_header`).
+    against the marker (:func:`verify_files`), loaded with ``weights_only`` (:func:`safe_load`,
+    which says what ``mmap`` and ``shared`` do) and its header checked against this checkpoint
+    (:func:`without_header`).
     """
     path = worker_file(checkpoint_dir, rank, kind)
     verify_files(checkpoint_dir, marker, [path.name], hashes=hashes)
     return without_header(
-        safe_load(path, mmap=mmap),
+        safe_load(path, mmap=mmap, shared=shared),
         path,
         kind=kind,
         rank=rank,

@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .streaming import TensorEntry
 
 _FSDP_PATH_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 
@@ -279,3 +280,72 @@ def check_same_parameter_shapes(
             f"{listed}). It was saved from a model of another size; resume it with the same model "
             "configuration."
         )
+
+
+class ConsolidatedModel:
+    """
+    The full state dict of :func:`consolidate_model_state`, one tensor at a time: :attr:`entries`
+    lists every key (shape, dtype, and which keys are the same tensor), :meth:`produce` builds
+    one of them from the shards. With :func:`~tango_fairscale.checkpointing.streaming.stream_save`
+    the peak is the largest parameter, not the model. The shards are read only; memory-mapped
+    (shared), they stay out of the process's private memory.
+    """
+
+    def __init__(self, shards: List[Dict[str, Any]]) -> None:
+        self._weights = [shard["weights"] for shard in shards]
+        metadata = [shard["metadata"] for shard in shards]
+        #: name -> (flat parameter key, offset in its unpadded whole, unit index) for parameters.
+        self._slices: Dict[str, Tuple[str, int, int]] = {}
+        self._paddings = [_paddings(m) for m in metadata]
+        self._single: Dict[str, bool] = {}
+        entries: Dict[str, TensorEntry] = {}
+        for unit in metadata[0]["param_metadata"]:
+            for backing_name, info in unit["params"].items():
+                key = f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name
+                self._single[key] = bool(unit["no_broadcast_optim_state"])
+                dtype = self._weights[0][key].dtype
+                offset = 0
+                for name, shape, numel in zip(info["names"], info["shapes"], info["numels"]):
+                    out = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+                    entries[out] = TensorEntry(out, tuple(shape), dtype)
+                    self._slices[out] = (key, offset, numel)
+                    offset += numel
+
+        def alias(destination: str, source: str) -> None:
+            root = entries[source].alias_of or source
+            entries[destination] = TensorEntry(destination, entries[root].shape, entries[root].dtype, root)
+
+        # As consolidate_model_state: buffers from worker 0 (non-persistent ones are in no file).
+        for name in metadata[0]["buffer_names"]:
+            if name in self._weights[0]:
+                tensor = self._weights[0][name]
+                entries[name] = TensorEntry(name, tuple(tensor.shape), tensor.dtype)
+        for unit in metadata[0]["param_metadata"]:
+            for source, destination in unit["shared_param_info"]:
+                alias(destination, source)
+        for canonical, module_alias in shards[0].get("module_aliases", []):
+            prefix = f"{canonical}." if canonical else ""
+            for key in [k for k in entries if k.startswith(prefix)]:
+                alias(f"{module_alias}.{key[len(prefix) :]}", key)
+        self.entries = list(entries.values())
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor:
+        """The full tensor of ``entry`` (one of :attr:`entries`, not an alias)."""
+        if entry.name not in self._slices:  # a buffer
+            return self._weights[0][entry.name]
+        key, start, numel = self._slices[entry.name]
+        ranks = 1 if self._single[key] else len(self._weights)
+        result = torch.empty(numel, dtype=entry.dtype)
+        offset = 0  # where the current worker's piece starts in the unpadded whole
+        for rank in range(ranks):
+            flat = self._weights[rank][key].reshape(-1)
+            length = flat.numel() - self._paddings[rank][key]
+            low, high = max(start, offset), min(start + numel, offset + length)
+            if low < high:
+                result[low - start : high - start] = flat[low - offset : high - offset]
+            offset += length
+        if offset < start + numel:
+            raise CheckpointError(
+                f"The shards of {key} hold {offset} elements, fewer than {entry.name} needs."
+            )
+        return result.view(entry.shape)

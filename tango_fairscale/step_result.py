@@ -1,0 +1,128 @@
+"""
+The step's result, the trained model, built in Tango's main process with one copy of the weights.
+
+After the workers finish, Tango's ``torch::train`` builds the model again in its main process
+(``model.construct()``), reads ``weights.pt`` (``torch.load``) and copies it in
+(``load_state_dict``): the initialised model and the loaded state dict, two copies of the weights
+at once, where training needed only a shard of them per worker. :class:`FinalModelOnMeta` stands
+in for the step's ``Lazy`` model there (:mod:`tango_fairscale.compat`, T1): the model is built
+with its parameters on ``meta`` (no memory), and Tango's one ``load_state_dict`` call adopts the
+loaded tensors (``assign=True``) instead of copying them. The result is the same model, with the
+same weights, tied parameters still tied, loadable the way Tango loads step results.
+"""
+
+import logging
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+import torch.nn as nn
+from tango.common import Lazy
+
+from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
+
+logger = logging.getLogger(__name__)
+
+
+def _tied_groups(model: nn.Module) -> List[List[str]]:
+    """The names of each parameter reachable under more than one name (tied weights), in order."""
+    names: Dict[int, List[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _owner(model: nn.Module, name: str) -> Tuple[nn.Module, str]:
+    module_path, _, attribute = name.rpartition(".")
+    return (model.get_submodule(module_path) if module_path else model), attribute
+
+
+def assign_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = False) -> Any:
+    """
+    ``model.load_state_dict(state_dict, strict=strict, assign=True)`` for a model built with its
+    parameters on ``meta``: the model takes the state dict's tensors as they are (no copy), and
+    parameters tied in the model (one ``Parameter`` under several names) stay one ``Parameter``.
+    A parameter the state dict does not hold is allocated and initialised as ``init_on_meta``
+    does (:func:`~tango_fairscale.materialize.materialize_module`), with a warning naming it.
+    Returns what ``load_state_dict`` returns.
+    """
+    tied = _tied_groups(model)
+    result = model.load_state_dict(state_dict, strict=strict, assign=True)
+    for group in tied:
+        first_owner, first_attribute = _owner(model, group[0])
+        shared = first_owner._parameters[first_attribute]
+        for name in group[1:]:
+            owner, attribute = _owner(model, name)
+            owner._parameters[attribute] = shared
+    if has_meta_parameters(model):
+        missing = [name for name, param in model.named_parameters() if param.is_meta]
+        logger.warning(
+            "The final weights hold no value for %s: initialised as init_on_meta does.",
+            ", ".join(missing[:5]),
+        )
+        materialize_module(model, torch.device("cpu"))
+    return result
+
+
+class _AssignOnce:
+    """
+    The model's ``load_state_dict`` for Tango's one call after building the final model: assigns
+    (:func:`assign_state_dict`), then removes itself, so the model pickles as it was built.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        del self.model.load_state_dict  # the instance attribute: the class's method is back
+        return assign_state_dict(self.model, state_dict, strict=strict)
+
+
+class FinalModelOnMeta(Lazy):
+    """
+    The step's ``Lazy`` model, as Tango's main process builds it after training: on ``meta``,
+    with one :func:`assign_state_dict` for the load that follows. Pickles as the ``Lazy`` it wraps
+    (the spawned workers get that one), and builds as it does where the model cannot be built on
+    ``meta``.
+    """
+
+    def __init__(self, lazy: Lazy) -> None:
+        super().__init__(lazy._constructor, lazy._params, lazy._constructor_extras)
+        self.lazy = lazy
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_unwrapped, (self.lazy,))
+
+    def construct(self, **kwargs: Any) -> Any:
+        try:
+            with parameters_on_meta():
+                model = self.lazy.construct(**kwargs)
+        except Exception as error:  # noqa: BLE001 - a model that needs real tensors to build
+            logger.debug("The final model does not build on the meta device (%s): building it whole", error)
+            return self.lazy.construct(**kwargs)
+        if isinstance(model, nn.Module) and has_meta_parameters(model):
+            # nn.Module.__setattr__ keeps a plain callable in the instance dict, ahead of the method.
+            model.load_state_dict = _AssignOnce(model)  # type: ignore[method-assign]
+        return model
+
+
+def _unwrapped(lazy: Lazy) -> Lazy:
+    """What a :class:`FinalModelOnMeta` unpickles as: the ``Lazy`` it wrapped."""
+    return lazy
+
+
+def finish_result(model: Any) -> Any:
+    """
+    The step's result as Tango returns it: should no ``weights.pt`` have been loaded into it (its
+    ``load_state_dict`` never called), its parameters are allocated and initialised, not left on
+    ``meta``.
+    """
+    if isinstance(model, nn.Module):
+        if isinstance(model.__dict__.get("load_state_dict"), _AssignOnce):
+            del model.load_state_dict
+        if has_meta_parameters(model):
+            logger.warning(
+                "No final weights were loaded into the step's result: it is initialised, not trained."
+            )
+            materialize_module(model, torch.device("cpu"))
+    return model
