@@ -595,8 +595,8 @@ def markdown(data: Dict[str, Any]) -> str:
         "",
         "Reproduce: `python benchmarks/run.py --capacity"
         + (" --quick" if settings["quick"] else "")
-        + f" --world-sizes {','.join(map(str, settings['world_sizes']))}`"
-        + (f" (`--budget {budget}` skips the calibration)" if calibration else f" --budget {budget}"),
+        + f" --world-sizes {','.join(map(str, settings['world_sizes']))}"
+        + ("`" + f" (`--budget {budget}` skips the calibration)" if calibration else f" --budget {budget}`"),
         "",
         "| config | workers | trains | x DDP | fails | failure of the smaller that fails | trials |",
         "|---|---:|---:|---:|---:|---|---:|",

@@ -232,6 +232,7 @@ def run_example(workspace: Path, *ext_vars: str) -> "subprocess.CompletedProcess
     for ext_var in ext_vars:
         command += ["--ext-var", ext_var]
     command += ["--overrides", json.dumps({"steps.train.distributed_port": free_port()})]
+
     def limit() -> None:  # `ulimit -d`: the tango run process, so every worker too
         resource.setrlimit(resource.RLIMIT_DATA, (BUDGET_KIB * 1024, BUDGET_KIB * 1024))
 

@@ -5,6 +5,8 @@ SIGABRT at exit, see the module). Two gloo workers in ``mp.spawn``, in seconds.
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict
 
@@ -17,7 +19,7 @@ from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan
 from tango_fairscale.backends.torch_fsdp import make_mesh, shard_model
 from tango_fairscale.teardown import close_process_groups, gloo_threads
-from tests.helpers import free_port
+from tests.helpers import free_port, tango_env
 
 pytestmark = pytest.mark.skipif(gloo_threads() is None, reason="needs /proc/self/task (Linux)")
 
@@ -81,24 +83,29 @@ def test_destroying_the_group_alone_leaves_fsdp2_threads_running(tmp_path: Path)
     assert all(count["after"] > 0 for count in counts.values()), counts
 
 
-class _ComputedMapping(dict):  # type: ignore[type-arg]
-    """A dict subclass whose items are computed (as transformers' lazy auto-mappings are)."""
+_HOSTILE = """
+from tango_fairscale.teardown import release_process_groups
 
-    def items(self):  # type: ignore[no-untyped-def, override]
+class ComputedMapping(dict):  # its items are computed, as transformers' lazy auto-mappings are
+    def items(self):
         raise AssertionError("release_process_groups called a dict subclass's items()")
 
-
-class _GuardedAttributes:
+class GuardedAttributes:
     @property
-    def __dict__(self):  # type: ignore[no-untyped-def, override]
+    def __dict__(self):
         raise AssertionError("release_process_groups read a guarded __dict__")
+
+mapping, guarded = ComputedMapping(key=[1, 2]), GuardedAttributes()
+plain = {"nested": [object()], "value": 3}
+print(release_process_groups())
+assert dict.__getitem__(mapping, "key") == [1, 2] and plain["value"] == 3
+"""
 
 
 def test_release_process_groups_leaves_other_objects_alone() -> None:
-    from tango_fairscale.teardown import release_process_groups
-
-    mapping = _ComputedMapping(key=[1, 2])
-    guarded = _GuardedAttributes()
-    plain = {"nested": [object()], "value": 3}
-    assert release_process_groups() == 0  # no process group in this process
-    assert dict.__getitem__(mapping, "key") == [1, 2] and plain["value"] == 3 and guarded is not None
+    # In a process of its own: it drops references to process groups wherever they are.
+    result = subprocess.run(
+        [sys.executable, "-c", _HOSTILE], capture_output=True, text=True, timeout=120, env=tango_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["0"]  # no process group in that process
