@@ -13,8 +13,9 @@ import queue
 import re
 import threading
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterable, List, Optional
+from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -73,23 +74,19 @@ class _HashingWriter:
         return {"size": self.size, "sha256": self._sha256.hexdigest()}
 
 
-def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """
-    ``torch.save`` to a temporary file in the same directory, flushed to disk, then renamed
-    over ``path``: a reader sees the old file or the whole new one, never a partial write.
-    Returns the file's ``{"size", "sha256"}``, computed from the bytes as they are written (no
-    second read of a file that may be gigabytes).
+    A new file to write ``path`` through: a temporary sibling, flushed to disk and renamed over
+    ``path`` when the block ends, removed if it raises. A reader sees the old file or the whole
+    new one, never a partial write.
     """
     path = Path(path)
     # A unique sibling name (not tempfile's 0600 files), so the result gets the usual permissions.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "xb") as handle:
-            writer = _HashingWriter(handle)
-            try:
-                torch.save(obj, writer)  # type: ignore[arg-type]
-            finally:
-                digest = writer.finish()
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -97,6 +94,20 @@ def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:
+    """
+    ``torch.save`` to ``path`` through :func:`atomic_file`. Returns the file's
+    ``{"size", "sha256"}``, computed from the bytes as they are written (no second read of a file
+    that may be gigabytes).
+    """
+    with atomic_file(path) as handle:
+        writer = _HashingWriter(handle)
+        try:
+            torch.save(obj, writer)  # type: ignore[arg-type]
+        finally:
+            digest = writer.finish()
     return digest
 
 

@@ -16,17 +16,15 @@ written before any tensor exists; the storages follow, produced one by one.
 
 import collections
 import io
-import os
 import pickle
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .files import fsync_directory
+from .files import atomic_file
 
 
 @dataclass(frozen=True)
@@ -132,36 +130,26 @@ def stream_save(
     crash leaves the old file or none, never a partial one. ``progress`` is called after each tensor.
     """
     data, storages = _pickled(entries)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as handle:
-            with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
-                archive.write_record("data.pkl", data, len(data))
-                archive.write_record(".format_version", "1", len("1"))
-                alignment = str(torch.serialization._get_storage_alignment())
-                archive.write_record(".storage_alignment", alignment, len(alignment))
-                archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-                for storage in storages:
-                    entry = storage.entry
-                    tensor = produce(entry)
-                    if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
-                        raise ValueError(
-                            f"{entry.name}: produced a {tensor.dtype} tensor of shape {list(tensor.shape)}, "
-                            f"where {entry.dtype} of shape {list(entry.shape)} was announced."
-                        )
-                    tensor = tensor.detach().cpu().contiguous()
-                    size = tensor.numel() * tensor.element_size()
-                    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != size:
-                        tensor = tensor.clone()  # a view of a larger storage: write its own bytes only
-                    archive.write_record(f"data/{storage.key}", tensor.untyped_storage(), size)
-                    del tensor
-                    if progress is not None:
-                        progress(entry)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(Path(path)) as handle:
+        with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
+            archive.write_record("data.pkl", data, len(data))
+            archive.write_record(".format_version", "1", len("1"))
+            alignment = str(torch.serialization._get_storage_alignment())
+            archive.write_record(".storage_alignment", alignment, len(alignment))
+            archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+            for storage in storages:
+                entry = storage.entry
+                tensor = produce(entry)
+                if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+                    raise ValueError(
+                        f"{entry.name}: produced a {tensor.dtype} tensor of shape {list(tensor.shape)}, "
+                        f"where {entry.dtype} of shape {list(entry.shape)} was announced."
+                    )
+                tensor = tensor.detach().cpu().contiguous()
+                size = tensor.numel() * tensor.element_size()
+                if tensor.storage_offset() or tensor.untyped_storage().nbytes() != size:
+                    tensor = tensor.clone()  # a view of a larger storage: write its own bytes only
+                archive.write_record(f"data/{storage.key}", tensor.untyped_storage(), size)
+                del tensor
+                if progress is not None:
+                    progress(entry)
