@@ -761,8 +761,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         # Written one tensor at a time from shards that are mapped, not read into private memory
-        # (tango_fairscale.consolidation): this worker still holds its training state, and the
-        # whole model beside it would make the end of a run need more memory than training did.
+        # (tango_fairscale.consolidation), after the optimizer state is dropped: the whole model
+        # beside the training state made the end of a run need more memory than training did.
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
         self._release_training_state()
         checkpoint_dir = Path(checkpoint_dir).resolve()

@@ -31,7 +31,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -81,20 +81,20 @@ def release_process_groups() -> int:
         # Plain dicts and lists only, through their own methods: subclasses may compute their
         # items (transformers' lazy auto-mappings import modules), or guard them.
         nonlocal dropped
+        items: List[Tuple[Any, Any]]
+        put: Callable[[Any, Any, Any], None]
         if type(container) is dict:
-            for key, value in list(dict.items(container)):
-                if issubclass(type(value), group_type):
-                    dict.__setitem__(container, key, None)
-                    dropped += 1
-                elif depth and type(value) in (dict, list):
-                    scrub(value, depth - 1)
+            items, put = list(dict.items(container)), dict.__setitem__
         elif type(container) is list:
-            for index, value in enumerate(list.copy(container)):
-                if issubclass(type(value), group_type):
-                    list.__setitem__(container, index, None)
-                    dropped += 1
-                elif depth and type(value) in (dict, list):
-                    scrub(value, depth - 1)
+            items, put = list(enumerate(list.copy(container))), list.__setitem__
+        else:
+            return
+        for key, value in items:
+            if issubclass(type(value), group_type):
+                put(container, key, None)
+                dropped += 1
+            elif depth:
+                scrub(value, depth - 1)
 
     for obj in gc.get_objects():
         kind = type(obj)

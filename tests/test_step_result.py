@@ -10,42 +10,20 @@ from typing import Any, Dict
 import pytest
 import torch
 import torch.nn as nn
+from tango.common import Params
 from tango.workspaces import LocalWorkspace
 
 from tango_fairscale import checkpointing, consolidation
 from tango_fairscale.step_result import FinalModelOnMeta, assign_state_dict
 from tests.components import TiedLM
-from tests.helpers import run_tango, train_work_dir
+from tests.helpers import REPO, run_tango, train_work_dir
 
 
 def _tied_config(backend: str) -> Dict[str, Any]:
-    return {
-        "steps": {
-            "data": {"type": "test::token_data"},
-            "train": {
-                "type": "torch::train",
-                "model": {
-                    "type": "fairscale::with_wrapped_modules",
-                    "model": {"type": "test::tied_lm"},
-                    "modules_to_wrap": ["blocks\\.[0-9]+"],
-                },
-                "training_engine": {
-                    "type": "fairscale",
-                    "backend": backend,
-                    "init_on_meta": True,
-                    "optimizer": {"type": "torch::AdamW", "lr": 0.003},
-                },
-                "dataset_dict": {"type": "ref", "ref": "data"},
-                "train_dataloader": {
-                    "batch_size": 8,
-                    "sampler": {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True},
-                },
-                "train_steps": 6,
-                "checkpoint_every": 3,
-                "device_count": 2,
-            },
-        }
-    }
+    """The run scripts/repeat_run.py repeats: a tied LM, each block a unit, init_on_meta."""
+    return Params.from_file(
+        REPO / "scripts" / "configs" / "tied_lm.jsonnet", ext_vars={"backend": backend}
+    ).as_dict()
 
 
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])

@@ -569,29 +569,16 @@ def consolidate_dcp(
     """
     checkpoint_dir = Path(checkpoint_dir).resolve()
     marker = _require_torch_marker(checkpoint_dir)
-    return _consolidate(checkpoint_dir, checkpoint_dir, marker, with_optimizer=with_optimizer, hashes=hashes)
-
-
-def consolidate_dcp_part(checkpoint_dir: Path, received_dir: Path, *, hashes: bool = True) -> Dict[str, Any]:
-    """
-    As :func:`consolidate_dcp` (the model only), for a host's part of a checkpoint across hosts
-    whose other DCP data files were received into ``received_dir`` (under their names relative
-    to the checkpoint, already checked against the marker, e.g. by
-    :func:`tango_fairscale.multihost.receive_missing_files`). This host's files are linked in
-    beside them and checked (SHA-256 with ``hashes``) before anything is read; the caller removes
-    ``received_dir``.
-    """
-    checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
-    marker, received = _link_part(checkpoint_dir, received_dir)
-    return _consolidate(
-        received_dir, checkpoint_dir, marker, with_optimizer=False, hashes=hashes, hashed=received
-    )
+    return _consolidate(checkpoint_dir, marker, with_optimizer=with_optimizer, hashes=hashes)
 
 
 def _link_part(checkpoint_dir: Path, received_dir: Path) -> Tuple[Dict[str, Any], Set[str]]:
     """
-    Link this host's DCP files of ``checkpoint_dir`` in beside those received from the other hosts
-    in ``received_dir``; returns the marker and the names of the received files.
+    Link this host's DCP files of ``checkpoint_dir`` (a host's part of a checkpoint across hosts)
+    in beside those received from the other hosts in ``received_dir`` (under their names relative
+    to the checkpoint, already checked against the marker, e.g. by
+    :func:`tango_fairscale.multihost.receive_missing_files`); returns the marker and the names of
+    the received files.
     """
     marker = checkpointing.read_marker(checkpoint_dir)
     if marker is None:
@@ -609,29 +596,31 @@ def _link_part(checkpoint_dir: Path, received_dir: Path) -> Tuple[Dict[str, Any]
     return marker, received
 
 
-def _consolidate(
-    root: Path,
-    checkpoint_dir: Path,
-    marker: Dict[str, Any],
-    *,
-    with_optimizer: bool,
-    hashes: bool,
-    hashed: AbstractSet[str] = frozenset(),
-) -> Dict[str, Any]:
+def _verified_files(
+    root: Path, marker: Dict[str, Any], *, hashes: bool, hashed: AbstractSet[str] = frozenset()
+) -> Set[str]:
     """
-    :func:`consolidate_dcp` of the DCP files under ``root`` (``checkpoint_dir`` names it in
-    errors). Files in ``hashed`` were hashed already: only their sizes are checked again.
+    Check the DCP files under ``root`` against the marker (SHA-256 with ``hashes``; files in
+    ``hashed`` were hashed already, and only their sizes are checked again) and return their
+    names relative to the DCP directory: the files a :class:`_SafeFileSystemReader` may read.
     """
     names = _dcp_files(root, marker)
     checkpointing.verify_files(root, marker, [name for name in names if name not in hashed], hashes=hashes)
     checkpointing.verify_files(root, marker, [name for name in names if name in hashed], hashes=False)
-    allowed = {name[len(DCP_DIR) + 1 :] for name in names}
+    return {name[len(DCP_DIR) + 1 :] for name in names}
+
+
+def _consolidate(
+    checkpoint_dir: Path, marker: Dict[str, Any], *, with_optimizer: bool, hashes: bool
+) -> Dict[str, Any]:
+    """:func:`consolidate_dcp` of a resolved checkpoint directory whose marker was checked."""
+    allowed = _verified_files(checkpoint_dir, marker, hashes=hashes)
     keys = {"model", "optim"} if with_optimizer else {"model"}
     loaded: Dict[str, Any] = {}
     _dcp_call(
         _load_state_dict,
         loaded,
-        storage_reader=_SafeFileSystemReader(root / DCP_DIR, allowed),
+        storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed),
         planner=_SafeEmptyStateDictLoadPlanner(keys=keys),
         no_dist=True,
     )
@@ -668,12 +657,7 @@ class ConsolidatedDcpModel:
         hashes: bool = True,
         hashed: AbstractSet[str] = frozenset(),
     ) -> None:
-        names = _dcp_files(root, marker)
-        checkpointing.verify_files(
-            root, marker, [name for name in names if name not in hashed], hashes=hashes
-        )
-        checkpointing.verify_files(root, marker, [name for name in names if name in hashed], hashes=False)
-        self._allowed = {name[len(DCP_DIR) + 1 :] for name in names}
+        self._allowed = _verified_files(root, marker, hashes=hashes, hashed=hashed)
         self._root = root
         metadata = _SafeFileSystemReader(root / DCP_DIR, self._allowed).read_metadata()
         self._fqns: Dict[str, str] = {}
@@ -716,8 +700,9 @@ def dcp_part_model_source(
 ) -> ConsolidatedDcpModel:
     """
     :class:`ConsolidatedDcpModel` of a host's part of a checkpoint across hosts whose other DCP
-    data files were received into ``received_dir`` (see :func:`consolidate_dcp_part`); it reads
-    from ``received_dir``, which must outlive it.
+    data files were received into ``received_dir`` (see :func:`_link_part`): this host's files are
+    linked in beside them and checked before anything is read. It reads from ``received_dir``,
+    which must outlive it; the caller removes it.
     """
     checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
     marker, received = _link_part(checkpoint_dir, received_dir)
@@ -739,7 +724,6 @@ __all__ = [
     "MARKER_FIELDS",
     "METADATA_GLOBALS",
     "consolidate_dcp",
-    "consolidate_dcp_part",
     "dcp_model_source",
     "dcp_part_model_source",
     "is_torch_checkpoint",
