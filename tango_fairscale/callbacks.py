@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
+from .checkpointing import random_state
+
 __all__ = ["MemoryCallback", "WorkerStats", "format_summary", "peak_memory_mib"]
 
 #: The file, in the training step's work directory, that the summary is also written to.
@@ -259,8 +261,6 @@ class RestoreRandomState(TrainCallback):
     """
 
     def pre_train_loop(self) -> None:
-        from .checkpointing import random_state
-
         state = getattr(self.training_engine, "loaded_random_state", None)
         if state is not None:
             random_state.restore(state)

@@ -15,6 +15,7 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model, Optimizer
 
 from .config import FSDPConfig, parse_dtype
+from .materialize import check_initialisable, parameters_on_meta
 from .wrapping import WRAPPER_TYPE, WrapPlan
 
 #: Per-element optimizer state tensors kept by common optimizers (beyond the parameter itself).
@@ -192,8 +193,6 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
     model, built_on = _build(model_config)
     engine = dict(step.get("training_engine", {}))
     if engine.get("init_on_meta"):
-        from .materialize import check_initialisable, parameters_on_meta
-
         with parameters_on_meta():
             check_initialisable(Model.from_params(Params(dict(model_config))))
 

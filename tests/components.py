@@ -100,20 +100,22 @@ class CrashInSave(FairScaleTrainingEngine):
 
     def __init__(self, *args: Any, crash_at_checkpoint: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.crash_at_checkpoint = crash_at_checkpoint
+        write_file = self.sharding.write_file  # type: ignore[attr-defined]
 
-    def _write_state(self, name: str, state: Any, path: Path, step: Any) -> Dict[str, Any]:
-        digest = super()._write_state(name, state, path, step)
-        crashed = self.train_config.work_dir / "crashed_once"
-        if (
-            name == "model"
-            and self.train_config.worker_id == 1
-            and path.parent.name == self.crash_at_checkpoint
-            and not crashed.exists()
-        ):
-            crashed.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return digest
+        def write_then_crash(checkpoint_dir: Path, name: str, state: Any, step: Any) -> Dict[str, Any]:
+            digest = write_file(checkpoint_dir, name, state, step)
+            crashed = self.train_config.work_dir / "crashed_once"
+            if (
+                name == "model"
+                and self.train_config.worker_id == 1
+                and checkpoint_dir.name == crash_at_checkpoint
+                and not crashed.exists()
+            ):
+                crashed.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return digest  # type: ignore[no-any-return]
+
+        self.sharding.write_file = write_then_crash  # type: ignore[attr-defined]
 
 
 @Model.register("test::no_parameters")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tango_fairscale import checkpointing
+from tango_fairscale.backends.fairscale_fsdp import resharding
 from tests.helpers import (
     kill_after_checkpoint,
     load_weights,
@@ -166,7 +167,7 @@ def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
 
 def test_weights_are_unchanged_by_verification(saved_run: Path) -> None:
     # The verified load path reads what was written: consolidating the final checkpoint gives weights.pt.
-    full = checkpointing.consolidate_model_state(
+    full = resharding.consolidate_model_state(
         checkpointing.load_model_shards(saved_run / "checkpoint_state_step8")
     )
     assert max_abs_difference(full, torch.load(saved_run / "weights.pt", weights_only=True)) == 0.0

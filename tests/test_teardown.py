@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan
-from tango_fairscale.backends.torch_fsdp import make_mesh, shard_model
+from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh, shard_model
 from tango_fairscale.teardown import close_process_groups, gloo_threads
 from tests.helpers import free_port, tango_env
 

@@ -26,8 +26,16 @@ from torch.distributed.tensor import DTensor
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan, checkpointing
-from tango_fairscale.backends import torch_fsdp, torch_fsdp_checkpoint
-from tango_fairscale.backends.torch_fsdp import (
+from tango_fairscale.backends.torch_fsdp2 import checkpoint as torch_fsdp_checkpoint
+from tango_fairscale.backends.torch_fsdp2 import safe_reading
+from tango_fairscale.backends.torch_fsdp2 import sharding as torch_fsdp
+from tango_fairscale.backends.torch_fsdp2.checkpoint import (
+    consolidate_dcp,
+    load_sharded,
+    plain_name,
+    save_sharded,
+)
+from tango_fairscale.backends.torch_fsdp2.sharding import (
     OPTION_TABLE,
     check_options,
     clip_grad_norm_,
@@ -38,15 +46,11 @@ from tango_fairscale.backends.torch_fsdp import (
     no_sync,
     shard_model,
 )
-from tango_fairscale.backends.torch_fsdp_checkpoint import (
-    consolidate_dcp,
-    load_sharded,
-    plain_name,
-    save_sharded,
-)
 from tango_fairscale.errors import CheckpointError
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tango_fairscale.options import check_engine_options
+from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.topology import Topology
 from tests.helpers import REPO, free_port
 
 STEPS = 4
@@ -182,7 +186,7 @@ def _train_worker(rank: int, world_size: int, port: int, out: str) -> None:
         "scale": scaler.get_scale(),
     }
     torch.save(results, out_dir / f"train_rank{rank}.pt")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) -> None:
@@ -211,18 +215,18 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
         # files only, and loads back from them alone (shards and optimizer state replicated
         # across hosts are in each host's files).
         per_host = world_size // hosts
-        node_of_rank = [r // per_host for r in range(world_size)]
-        part = out_dir / f"host{node_of_rank[rank]}" / "checkpoint"
+        topology = Topology(world_size, per_host)
+        part = out_dir / f"host{topology.host_of(rank)}" / "checkpoint"
         fields = save_sharded(
             part,
             model,
             optimizer,
             {"trainer": {"rank": rank}},
             step=STEPS + EXTRA_STEPS,
-            node_of_rank=node_of_rank,
+            topology=topology,
         )
         if rank % per_host == 0:
-            workers = [r for r in range(world_size) if node_of_rank[r] == node_of_rank[rank]]
+            workers = list(topology.ranks_of(topology.host_of(rank)))
             checkpointing.write_marker(
                 part, world_size=world_size, extra={**fields, "host": {"workers": workers}}
             )
@@ -234,7 +238,7 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
         results["reloaded"] = full_state_dict(model)
         results["reloaded_optimizer"] = _full_optimizer_state(model, optimizer)
     torch.save(results, out_dir / f"load{world_size}_rank{rank}.pt")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def _reference(
@@ -299,7 +303,7 @@ def one_worker() -> Any:
     try:
         yield make_mesh(1)
     finally:
-        dist.destroy_process_group()
+        close_process_groups()
 
 
 class _WithBuffers(nn.Module):
@@ -527,11 +531,11 @@ def test_metadata_unpickler_refuses_foreign_globals(tmp_path: Path, monkeypatch:
     dcp.save(
         {"w": torch.ones(3), "lr": 0.5}, storage_writer=dcp.FileSystemWriter(tmp_path / "ok"), no_dist=True
     )
-    metadata = torch_fsdp_checkpoint.read_metadata(tmp_path / "ok" / ".metadata")
+    metadata = safe_reading.read_metadata(tmp_path / "ok" / ".metadata")
     assert "w" in metadata.state_dict_metadata
     (tmp_path / "evil").write_bytes(pickle.dumps(_RunsCode()))
     with pytest.raises(CheckpointError, match="os.makedirs|posix.makedirs"):
-        torch_fsdp_checkpoint.read_metadata(tmp_path / "evil")
+        safe_reading.read_metadata(tmp_path / "evil")
     assert not canary.exists()
 
 
@@ -541,13 +545,13 @@ def test_non_tensor_values_load_with_weights_only(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("TORCH_BACKEND_TEST_CANARY", str(canary))
     dcp.save({"evil": _RunsCode()}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"), no_dist=True)
     assert not canary.exists()
-    reader = torch_fsdp_checkpoint._SafeFileSystemReader(tmp_path / "ck", {"__0_0.distcp"})
+    reader = safe_reading._SafeFileSystemReader(tmp_path / "ck", {"__0_0.distcp"})
     with pytest.raises(CheckpointError, match="weights_only"):
-        torch_fsdp_checkpoint._dcp_call(
+        safe_reading._dcp_call(
             dcp.load,
             {"evil": None},
             storage_reader=reader,
-            planner=torch_fsdp_checkpoint._SafeLoadPlanner(),
+            planner=safe_reading._SafeLoadPlanner(),
             no_dist=True,
         )
     assert not canary.exists()
@@ -689,7 +693,7 @@ def _copies_worker(rank: int, world_size: int, port: int, out: str) -> None:
     except CheckpointError as error:
         outcome = str(error)
     (Path(out) / f"outcome{rank}.txt").write_text(outcome)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path, tmp_path: Path) -> None:
@@ -751,7 +755,7 @@ def test_metadata_of_a_real_checkpoint_names_only_allowed_globals(trained: Path)
 
     Recording(io.BytesIO((trained / "checkpoint" / "dcp" / ".metadata").read_bytes())).load()
     dtypes = {(m, n) for m, n in seen if m == "torch" and isinstance(getattr(torch, n, None), torch.dtype)}
-    assert seen - dtypes <= torch_fsdp_checkpoint.METADATA_GLOBALS
+    assert seen - dtypes <= safe_reading.METADATA_GLOBALS
 
 
 def test_readme_shows_the_option_mapping() -> None:
@@ -800,3 +804,35 @@ def test_hybrid_sharding_needs_the_torch_backend() -> None:
 
     with pytest.raises(ConfigurationError, match="hybrid_sharding: true needs"):
         check_engine({"hybrid_sharding": True}, 2, None, True)
+
+
+def _other_blocks_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    _init(rank, world_size, port)
+    outcomes = {}
+    for blocks in (2, 4):
+        torch.manual_seed(0)
+        model = ToyRegressor(in_features=8, width=30, num_blocks=blocks)
+        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), make_mesh(world_size))
+        try:
+            load_sharded(Path(out) / "checkpoint", model, _optimizer(model))
+            outcomes[blocks] = "loaded"
+        except CheckpointError as error:
+            outcomes[blocks] = str(error)
+    torch.save(outcomes, Path(out) / f"blocks_rank{rank}.pt")
+    close_process_groups()
+
+
+def test_a_checkpoint_of_other_parameters_is_refused_naming_them(trained: Path, tmp_path: Path) -> None:
+    # The checkpoint has 3 blocks: DCP loaded the common parameters of 2 silently, and failed
+    # deep in its planner for 4.
+    import shutil
+
+    shutil.copytree(trained / "checkpoint", tmp_path / "checkpoint")
+    mp.spawn(_other_blocks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for outcomes in _results(tmp_path, "blocks", 2):
+        fewer, more = outcomes[2], outcomes[4]
+        assert "saved from a model with other parameters" in fewer and "\n" not in fewer
+        assert (
+            "in it are not this model's (blocks.2." in fewer and "of this model's are not in it" not in fewer
+        )
+        assert "of this model's are not in it (blocks.3." in more and "are not this model's" not in more

@@ -32,11 +32,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..config import FSDPConfig, parse_dtype
-from ..cpu.fsdp2_collectives import use_ring_collectives
-from ..devices import worker_computes_on_cpu
-from ..materialize import has_meta_parameters, materialize_module, real_parameters
-from ..wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
+from ...config import FSDPConfig, parse_dtype
+from ...devices import worker_computes_on_cpu
+from ...materialize import has_meta_parameters, materialize_module, real_parameters
+from ...wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
+from .collectives import use_ring_collectives
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .collectives import GlooCollectives, ring_compatible
+from ...cpu.collectives import GlooCollectives, ring_compatible
 
 
 class _Allocate:
