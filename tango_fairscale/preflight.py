@@ -131,10 +131,20 @@ def batches_per_worker(dataset_size: int, world_size: int, dataloader: Dict[str,
     return per_worker // batch_size if dataloader.get("drop_last", False) else -(-per_worker // batch_size)
 
 
-def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: str, world_size: int) -> None:
+def check_batches(
+    dataloader: Dict[str, Any],
+    dataset: Any,
+    split: str,
+    name: str,
+    world_size: int,
+    *,
+    training: bool = False,
+) -> None:
     """
     A loader that yields no batch on some worker makes ``torch::train`` loop over empty epochs
-    forever, at full CPU: refuse it, with the numbers that decide it.
+    forever, at full CPU: refuse it, with the numbers that decide it. With ``training``, so is a
+    loader whose every batch would be smaller than ``batch_size`` (each worker's share of the data
+    is smaller): the run would train on another batch size than the config's, silently.
     """
     if isinstance(dataset, IterableDataset):
         return
@@ -156,6 +166,15 @@ def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: st
             f"{batch_size}{' (with drop_last)' if dataloader.get('drop_last') else ''}, so some worker would "
             "never get a batch and training would never end. Use more data, fewer workers or a smaller "
             "batch_size."
+        )
+    sampler = dataloader.get("sampler")
+    sampler_drops = isinstance(sampler, dict) and sampler.get("drop_last", False)
+    per_worker = size // world_size if sampler_drops else -(-size // world_size)
+    if training and per_worker < batch_size:
+        raise ConfigurationError(
+            f"{name}: split {split!r} has {size} example(s); split over world size {world_size}, each worker "
+            f"gets {per_worker}, fewer than batch_size {batch_size}, so every batch would hold {per_worker} "
+            f"examples, not {batch_size}. Use more data, fewer workers or a smaller batch_size."
         )
 
 
@@ -307,7 +326,9 @@ def _preflight(
         )
     train_loader = _params_of(train_dataloader)
     check_sampler(train_loader, dataset_dict[train_split], "train_dataloader")
-    check_batches(train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size)
+    check_batches(
+        train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size, training=True
+    )
     if validation_split is not None:
         loader = validation_dataloader if validation_dataloader is not None else train_dataloader
         name = (

@@ -7,6 +7,7 @@ Every function here is collective: all workers call it and meet at the same barr
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -22,7 +23,32 @@ logger = logging.getLogger(__name__)
 
 def find_own_checkpoint(config: TrainConfig, hosts: Optional[HostWorld]) -> bool:
     """Point ``checkpoint_state_latest`` at the checkpoint to resume from; return whether there is one."""
+    if config.is_local_main_process:
+        remove_interrupted_saves(config.work_dir)
     return _agree_on_own_checkpoint(config, hosts) if hosts is not None else _newest_on_this_host(config)
+
+
+def remove_interrupted_saves(work_dir: Path) -> List[Path]:
+    """
+    Remove the checkpoint directories of saves that never got their marker (a worker killed during
+    a save, before its peers could remove it): nothing resumes from them, and they hold a
+    checkpoint's worth of disk. A host's part of a checkpoint across hosts has a marker of its own.
+    """
+    removed = []
+    for directory in sorted(Path(work_dir).glob("checkpoint_state_step*")):
+        if (
+            directory.is_dir()
+            and not directory.is_symlink()
+            and not (directory / checkpointing.MARKER).exists()
+        ):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    if removed:
+        logger.warning(
+            "Removed %s: save(s) interrupted before they were complete.",
+            ", ".join(path.name for path in removed),
+        )
+    return removed
 
 
 def _newest_on_this_host(config: TrainConfig) -> bool:

@@ -126,6 +126,15 @@ class NoParameters(Model):
         return {"loss": (x.sum() - y.sum()) ** 2}
 
 
+@Model.register("test::raises_in_constructor")
+class RaisesInConstructor(Model):
+    """A model whose constructor fails, as a user's can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        raise ValueError("checkpoint file /nowhere/model.bin not found\nsecond line of the message")
+
+
 @Model.register("test::no_loss")
 class NoLoss(Model):
     """A model whose forward returns predictions but no loss."""

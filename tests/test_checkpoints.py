@@ -111,16 +111,19 @@ def test_crash_while_saving_keeps_previous_checkpoint(
     assert first.returncode != 0
     work_dir = train_work_dir(tmp_path / "ws")
     assert (work_dir / "crashed_once").exists()
-    # The interrupted save left worker 1's model file but no marker: it does not count ...
+    # The interrupted save never got its marker: it does not count (worker 0 removes it when it
+    # sees the failure, unless it is stopped first; the rerun removes what is left) ...
     interrupted = work_dir / "checkpoint_state_step6"
-    assert (interrupted / "worker1_model.pt").exists()
     assert not checkpointing.is_complete(interrupted)
     # ... and the last complete checkpoint is still the resume point.
     assert (work_dir / "checkpoint_state_latest").resolve().name == "checkpoint_state_step3"
     assert checkpointing.is_complete(work_dir / "checkpoint_state_step3")
 
+    (interrupted / "worker1_model.pt").parent.mkdir(exist_ok=True)
+    (interrupted / "worker1_model.pt").write_bytes(b"what a killed save left")
     second = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
     assert "checkpoint_state_step3" in second.stdout + second.stderr
+    assert "Removed checkpoint_state_step6: save(s) interrupted" in second.stdout + second.stderr
     difference = max_abs_difference(load_weights(tmp_path / "ws"), uninterrupted)
     print(f"max |resumed after crash in save - uninterrupted| = {difference:.3e}")
     assert difference <= RESUME_TOLERANCE

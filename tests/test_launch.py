@@ -183,6 +183,22 @@ def test_expand_nodelist(nodelist: str, hosts: list) -> None:
     assert expand_nodelist(nodelist) == hosts
 
 
+def test_a_huge_nodelist_gives_its_first_host_at_once() -> None:
+    from tango_fairscale.launch import detect_launch
+
+    # Every name of node[1-100000000] was expanded (minutes, gigabytes) to take the first.
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "1",
+        "SLURM_JOB_NODELIST": "node[1-100000000]",
+    }
+    launch = detect_launch(env)
+    assert launch is not None and launch.master_addr == "node1"
+
+
 def test_expand_nodelist_refuses_malformed() -> None:
     from tango_fairscale.launch import expand_nodelist
 

@@ -295,6 +295,24 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert width == 600 and height == 340
 
 
+def test_plot_skips_numbers_beyond_floats(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # A 400-digit integer raised OverflowError from float(); as a value it is no number to draw,
+    # as a step the line is skipped like any unreadable one.
+    path = write_metrics(tmp_path / METRICS_FILE_NAME)
+    huge = 10**400
+    path.write_text(
+        path.read_text().rsplit("\n", 1)[0]
+        + "\n"
+        + json.dumps({"step": 11, "loss": huge})
+        + "\n"
+        + json.dumps({"step": huge, "loss": 0.5})
+        + "\n"
+    )
+    assert main(["plot", str(path), "-o", str(tmp_path / "m.png")]) == 0
+    assert "skipped 1 unreadable line" in capsys.readouterr().out
+    assert png_size(tmp_path / "m.png")[0] > 0
+
+
 def test_plot_argument_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

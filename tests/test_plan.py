@@ -58,6 +58,26 @@ def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
     assert "'nope' matches no submodule of ToyRegressor" in result.stderr
 
 
+def test_plan_of_a_ddp_step_says_nothing_is_sharded(tmp_path: Path) -> None:
+    result = plan(train_config(engine="torch", wrap="none"), tmp_path)
+    assert [unit["shard_parameters"] for unit in result["units"]] == [
+        unit["parameters"] for unit in result["units"]
+    ]
+    assert result["bytes_per_worker"]["total"] == result["ddp_bytes_per_worker"]["total"]
+    assert 'The training engine "torch" does not shard' in result["text"]
+
+
+def test_plan_of_a_model_whose_constructor_raises_is_one_line(tmp_path: Path) -> None:
+    config = train_config(wrap="root")
+    config["steps"]["train"]["model"] = {"type": "test::raises_in_constructor"}
+    result = run_plan(config, tmp_path, "-i", "tests.components")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: model: building 'test::raises_in_constructor' raised ValueError: checkpoint file "
+        "/nowhere/model.bin not found"
+    ], result.stderr
+
+
 @pytest.mark.slow
 def test_estimate_matches_a_real_two_worker_run(tmp_path: Path) -> None:
     config = train_config(wrap="nested_ckpt", train_steps=4, checkpoint_every=4)

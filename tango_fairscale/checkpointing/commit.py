@@ -10,7 +10,7 @@ The one sequence that turns files written by every worker into a checkpoint, for
 4. the digests are gathered from every worker: after that every file of every host is on disk;
 5. each host's leader completes its host's part (across hosts: the other hosts' files linked in
    where it can read them, and the part's description), then writes the marker (a failure
-   before that, on any worker, makes each leader remove the partial directory);
+   before that removes the partial directory);
 6. a barrier: every host's marker is written before any host goes on and removes its older
    checkpoints, so that the hosts always have a newest checkpoint in common.
 """
@@ -83,10 +83,12 @@ def commit(
                 complete_part(checkpoint_dir, marker_fields)
             write_marker(checkpoint_dir, world_size=topology.world_size, extra=marker_fields)
     except BaseException:
-        # A save that failed anywhere (a full disk here, a worker that died elsewhere) leaves no
-        # partial checkpoint to fill the disk: it never got its marker, so nothing would resume
-        # from it. The last complete checkpoint and the latest link are untouched.
-        if leader and not (checkpoint_dir / MARKER).exists():
+        # A save that failed (a full disk here, a worker that died elsewhere) leaves no partial
+        # checkpoint to fill the disk: it never got its marker, so nothing would resume from it.
+        # Every worker that sees the failure removes it (the one that failed first, before its
+        # peers may be stopped); a run started again removes what a killed save left
+        # (tango_fairscale.resume). The last complete checkpoint and the latest link are untouched.
+        if not (checkpoint_dir / MARKER).exists():
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
         raise
     dist.barrier()

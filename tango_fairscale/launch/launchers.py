@@ -2,7 +2,7 @@
 
 import dataclasses
 import re
-from typing import Any, List, Mapping, Optional
+from typing import Any, Iterator, List, Mapping, Optional
 
 from tango.common.exceptions import ConfigurationError
 
@@ -130,10 +130,11 @@ def _slurm_launch(env: Mapping[str, str]) -> Optional[Launch]:
         nodelist = (
             env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         )
-        hosts = expand_nodelist(_required(nodelist, "SLURM_JOB_NODELIST (or MASTER_ADDR)"))
-        if not hosts:
+        # Only the first host is needed: a list of millions of names is not expanded.
+        first = next(iter_nodelist(_required(nodelist, "SLURM_JOB_NODELIST (or MASTER_ADDR)")), None)
+        if first is None:
             raise ConfigurationError(f"SLURM_JOB_NODELIST={nodelist!r} names no host; set MASTER_ADDR.")
-        master_addr = hosts[0]
+        master_addr = first
     master_port = _integer(env, "MASTER_PORT")
     if master_port is None:
         job_id = _required(_integer(env, "SLURM_JOB_ID"), "SLURM_JOB_ID (or MASTER_PORT)")
@@ -163,10 +164,13 @@ def expand_nodelist(nodelist: str) -> List[str]:
     ``["node01", "node02", "node03", "node07", "gpu5"]``. Zero padding is kept; several bracket
     groups in one name (``"rack[1-2]-n[1-2]"``) expand to every combination, as Slurm does.
     """
-    names: List[str] = []
+    return list(iter_nodelist(nodelist))
+
+
+def iter_nodelist(nodelist: str) -> Iterator[str]:
+    """:func:`expand_nodelist` one name at a time: the first host of ``node[1-100000000]`` at once."""
     for item in _split_top_level(nodelist.strip()):
-        names.extend(_expand_host(item))
-    return names
+        yield from _expand_host(item)
 
 
 def _split_top_level(text: str) -> List[str]:
@@ -188,18 +192,20 @@ def _split_top_level(text: str) -> List[str]:
     return [item for item in items if item]
 
 
-def _expand_host(pattern: str) -> List[str]:
+def _expand_host(pattern: str) -> Iterator[str]:
     match = re.search(r"\[([^\]]*)\]", pattern)
     if match is None:
-        return [pattern]
+        yield pattern
+        return
     prefix, suffix = pattern[: match.start()], pattern[match.end() :]
-    expanded = []
-    for part in match.group(1).split(","):
-        bounds = _RANGE.match(part.strip())
-        if bounds is None:
+    parts = match.group(1).split(",")
+    for part in parts:  # every range checked before the first name is given
+        if _RANGE.match(part.strip()) is None:
             raise ConfigurationError(f"SLURM host list range {part!r} in {pattern!r} is not N or N-M.")
+    for part in parts:
+        bounds = _RANGE.match(part.strip())
+        assert bounds is not None
         low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
         width = len(low)
         for number in range(int(low), int(high) + 1):
-            expanded.extend(_expand_host(f"{prefix}{number:0{width}d}{suffix}"))
-    return expanded
+            yield from _expand_host(f"{prefix}{number:0{width}d}{suffix}")
