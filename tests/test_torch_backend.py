@@ -836,3 +836,50 @@ def test_a_checkpoint_of_other_parameters_is_refused_naming_them(trained: Path, 
             "in it are not this model's (blocks.2." in fewer and "of this model's are not in it" not in fewer
         )
         assert "of this model's are not in it (blocks.3." in more and "are not this model's" not in more
+
+
+class _Payload:
+    """Pickles to a call that would leave a marker file, were it ever unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("tampering", ["swapped data files", "data file a pickle", "metadata a pickle"])
+def test_tampered_files_with_matching_digests_are_one_line(
+    trained: Path, tmp_path: Path, tampering: str
+) -> None:
+    # Files replaced after the save and the marker's digests rewritten to match: DCP failed with
+    # 49-196 lines of CheckpointException (EOFError, AttributeError, "metadata is None" deep inside).
+    import shutil
+
+    marker = tmp_path / "payload_ran"
+    copy = tmp_path / "copy0"
+    shutil.copytree(trained / "checkpoint", copy)
+    dcp_dir = copy / "dcp"
+    if tampering == "swapped data files":
+        first, second = dcp_dir / "__0_0.distcp", dcp_dir / "__1_0.distcp"
+        first.rename(dcp_dir / "swap")
+        second.rename(first)
+        (dcp_dir / "swap").rename(second)
+    else:
+        target = dcp_dir / ("__1_0.distcp" if tampering == "data file a pickle" else ".metadata")
+        target.write_bytes(pickle.dumps(_Payload(marker)))
+    fields = checkpointing.read_marker(copy)
+    assert fields is not None
+    for name in fields["digests"]:
+        fields["digests"][name] = checkpointing.file_digest(copy / name)
+    checkpointing.write_marker(copy, world_size=fields.pop("world_size"), extra=fields)
+    shutil.copytree(copy, tmp_path / "copy1")
+    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
+        assert "\n" not in outcome and "Nothing in it was run" in outcome, outcome
+        expected = (
+            "names posix.system" if tampering == "metadata a pickle" else "swapped or replaced after the save"
+        )
+        assert expected in outcome, outcome
+    assert not marker.exists()

@@ -168,14 +168,26 @@ class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
 
 def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
     """
-    Call a DCP function, turning its :class:`CheckpointException` (a ``BaseException`` that
-    gathers every worker's failure) into this package's :class:`CheckpointError` when one of the
-    failures is ours (a refused file or value), so that callers see one error type.
+    Call a DCP function that reads a checkpoint, turning its :class:`CheckpointException` (a
+    ``BaseException`` that gathers every worker's failure, with their tracebacks) into one line:
+    this package's :class:`CheckpointError` when one of the failures is ours (a refused file or
+    value), else one naming the first worker's error. The files passed the marker's checks before
+    DCP read them, so such an error means they were swapped or replaced after the save.
     """
     try:
         return function(*args, **kwargs)
     except CheckpointException as error:
-        ours = [failure for failure, _ in error.failures.values() if isinstance(failure, CheckpointError)]
+        failures = sorted(error.failures.items())
+        ours = [failure for _, (failure, _) in failures if isinstance(failure, CheckpointError)]
         if ours:
             raise CheckpointError(str(ours[0])) from None
-        raise
+        reader = kwargs.get("storage_reader")
+        where = getattr(reader, "_directory", "the checkpoint")
+        rank, (failure, _) = failures[0]
+        lines = str(failure).strip().splitlines()
+        raise CheckpointError(
+            f"{where} does not read as the checkpoint its metadata describes (worker {rank}: "
+            f"{type(failure).__name__}{': ' + lines[0][:200] if lines else ''}); its files match the "
+            "marker, so they were swapped or replaced after the save. Use an untouched checkpoint. Nothing "
+            "in it was run."
+        ) from None
