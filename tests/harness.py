@@ -363,11 +363,18 @@ def _close_process_group() -> None:
 def _worker(rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str) -> None:
     from tango.common import logging as tango_logging
 
+    from tango_fairscale import teardown
+
     global _rank
     _rank = rank
     # Tango's worker loop sends its log records to the main process of a `tango run`; here the
     # records stay in this process, where each job's are captured.
     tango_logging.initialize_worker_logging = lambda worker_rank=None: None  # type: ignore[assignment]
+    # A worker that finished a job destroys its process group (what a `tango run` worker does at
+    # its end) and keeps going; but what the release of every reference to the groups guards
+    # against, gloo threads alive while the interpreter finalizes, cannot happen here: these
+    # workers end with os._exit. Its scan of every object in the process costs 1 to 2 s a job.
+    teardown.release_process_groups = lambda: 0  # type: ignore[assignment]
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for index, (job, port) in enumerate(zip(jobs, ports)):
