@@ -26,7 +26,10 @@ dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's e
 """
 
 import logging
+import tempfile
+import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -169,6 +172,23 @@ def train(experiment: Experiment, work_dir: Path, world_size: int = 2, **kwargs:
     return result.check()
 
 
+def spawn(
+    function: Callable[..., Any],
+    args: Tuple[Any, ...] = (),
+    nprocs: int = 2,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """
+    What ``torch.multiprocessing.spawn(function, args, nprocs)`` does, ``function(rank, *args)`` in
+    each of ``nprocs`` processes, in this module's workers (started in milliseconds, not seconds):
+    raises when a worker raised or died.
+    """
+    with tempfile.TemporaryDirectory(prefix="harness-") as out:
+        (result,) = run([Call(_call_spawned, (function, args))], nprocs, out=Path(out), timeout=timeout)
+    assert all(w is not None and w.error is None for w in result.workers), result.describe()
+    assert all(code == 0 for code in result.exitcodes), result.describe()
+
+
 def _wait(processes: Sequence[Any], timeout: float) -> List[Optional[int]]:
     deadline = _now() + timeout
     for process in processes:
@@ -182,8 +202,6 @@ def _wait(processes: Sequence[Any], timeout: float) -> List[Optional[int]]:
 
 
 def _now() -> float:
-    import time
-
     return time.monotonic()
 
 
@@ -222,8 +240,8 @@ class Worker:
         The experiment's engine, constructed on this worker as Tango's worker loop does (seeded, from
         the config, with a new process group; the previous one is closed).
         """
-        _close_process_group()
         config = self.train_config(experiment, work_dir, step)
+        _close_process_group()
         set_seed_all(config.seed)
         train = experiment["steps"][step]
         engine = Lazy(TrainingEngine, Params(dict(train["training_engine"]))).construct(
@@ -231,6 +249,12 @@ class Worker:
         )
         assert isinstance(engine, FairScaleTrainingEngine), type(engine)
         return engine
+
+    def init_process_group(self) -> None:
+        """A gloo process group of this run's workers, for a function that builds no engine."""
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{self._port()}", rank=self.rank, world_size=self.world_size
+        )
 
     def batches(self, experiment: Experiment, step: str = "train") -> Iterator[List[Dict[str, torch.Tensor]]]:
         """This worker's batches of the experiment's training data, as Tango's loop draws them."""
@@ -347,34 +371,51 @@ def _run_train(job: Train, rank: int, world_size: int, port: int) -> None:
     )
 
 
+@contextmanager
+def _quick_release() -> Iterator[None]:
+    """
+    While a worker closes its process group to start another. A ``tango run`` worker's last act is
+    to close its process groups, releasing every reference to them
+    (:func:`tango_fairscale.teardown.close_process_groups`), so that no gloo thread is alive when
+    the interpreter finalizes. These workers never finalize it (they end with ``os._exit``), and the
+    release scans every object in the process: 1 to 2 s a job. Destroying the group is enough here.
+    """
+    from tango_fairscale import teardown
+
+    release = teardown.release_process_groups
+    teardown.release_process_groups = lambda: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        teardown.release_process_groups = release  # type: ignore[assignment]
+
+
 def _close_process_group() -> None:
     """Close this worker's process group, if any, so that the next engine can start its own."""
+    from fairscale.internal import parallel
+
     from tango_fairscale.teardown import close_process_groups
 
     if dist.is_initialized():
-        close_process_groups()
-    # FairScale keeps the groups its FSDP units use in a cache for the life of the process, which
-    # close_process_groups emptied: the next engine's units must make new ones.
-    from fairscale.internal import parallel
-
+        with _quick_release():
+            close_process_groups()
+    # FairScale keeps the groups its FSDP units use in a cache for the life of the process: the
+    # next engine's units must make new ones.
     parallel.get_process_group_cached.__dict__.pop("_global_group_cache", None)
+
+
+def _call_spawned(worker: Worker, function: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
+    return function(worker.rank, *args)
 
 
 def _worker(rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str) -> None:
     from tango.common import logging as tango_logging
-
-    from tango_fairscale import teardown
 
     global _rank
     _rank = rank
     # Tango's worker loop sends its log records to the main process of a `tango run`; here the
     # records stay in this process, where each job's are captured.
     tango_logging.initialize_worker_logging = lambda worker_rank=None: None  # type: ignore[assignment]
-    # A worker that finished a job destroys its process group (what a `tango run` worker does at
-    # its end) and keeps going; but what the release of every reference to the groups guards
-    # against, gloo threads alive while the interpreter finalizes, cannot happen here: these
-    # workers end with os._exit. Its scan of every object in the process costs 1 to 2 s a job.
-    teardown.release_process_groups = lambda: 0  # type: ignore[assignment]
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for index, (job, port) in enumerate(zip(jobs, ports)):
@@ -383,7 +424,8 @@ def _worker(rank: int, world_size: int, jobs: List[Job], ports: List[int], out: 
         result = WorkerResult()
         try:
             if isinstance(job, Train):
-                _run_train(job, rank, world_size, port)
+                with _quick_release():  # Tango's worker ends by closing its process group
+                    _run_train(job, rank, world_size, port)
             else:
                 result.value = job.function(Worker(rank, world_size, port), *job.args)
         except BaseException as error:  # noqa: BLE001 - recorded for the test, which decides

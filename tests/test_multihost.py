@@ -169,8 +169,6 @@ def _transfer_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     from tests.helpers import free_port
 
     contents = {rank: os.urandom(size) for rank, size in enumerate(_SIZES)}
@@ -188,7 +186,7 @@ def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
             if not (case == "missing" and rank == 1):
                 (directory / "sub" / f"worker{rank}.bin").write_bytes(data)
             checkpointing.write_marker(directory, 3, {"files": [], "digests": digests})
-    mp.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
+    harness.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
     outcomes = [json.loads((tmp_path / f"outcome{rank}.json").read_text()) for rank in range(3)]
     for rank, outcome in enumerate(outcomes):
         # Every host ends with every other host's file, byte for byte.

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -47,6 +46,7 @@ from tango_fairscale.backends.torch_fsdp_checkpoint import (
 from tango_fairscale.errors import CheckpointError
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tango_fairscale.options import check_engine_options
+from tests import harness
 from tests.helpers import REPO, free_port
 
 STEPS = 4
@@ -262,7 +262,7 @@ def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("torch_backend")
-    mp.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
+    harness.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
     return out
 
 
@@ -596,7 +596,7 @@ def test_consolidated_checkpoint_loads_strictly_into_the_plain_model(trained: Pa
 def _load_on(trained: Path, world_size: int, hosts: int) -> List[Dict[str, Any]]:
     name = f"load{world_size}_rank0.pt"
     if not (trained / name).exists():
-        mp.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
+        harness.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
     return _results(trained, f"load{world_size}", world_size)
 
 
@@ -705,7 +705,7 @@ def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         outcome = (tmp_path / f"outcome{rank}.txt").read_text()
         assert f"{data} has SHA-256" in outcome, outcome
