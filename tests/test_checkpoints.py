@@ -305,7 +305,7 @@ def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path
 
 @pytest.mark.parametrize(
     "marker_lists_files",
-    [pytest.param(True, marks=pytest.mark.extended), pytest.param(False, marks=pytest.mark.extended)],
+    [True, pytest.param(False, marks=pytest.mark.extended)],
     ids=["marker-lists-files", "older-marker"],
 )
 def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
@@ -320,6 +320,9 @@ def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
         checkpointing.worker_file(source, worker, "lr_scheduler").unlink()
     marker = checkpointing.read_marker(source)
     assert marker is not None and "lr_scheduler" in marker["files"]
+    # That run wrote no scheduler files, so its marker has no digests of them either.
+    for worker in range(2):
+        del marker["digests"][checkpointing.worker_file(source, worker, "lr_scheduler").name]
     if marker_lists_files:
         marker["files"].remove("lr_scheduler")
     else:
