@@ -26,6 +26,7 @@ dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's e
 """
 
 import logging
+import sys
 import tempfile
 import time
 import traceback
@@ -47,7 +48,12 @@ from tango.integrations.torch.util import set_seed_all
 import examples.toy.components  # noqa: F401 - registers the toy model and data step
 import tests.components  # noqa: F401 - registers the test components
 from tango_fairscale import FairScaleTrainingEngine
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port
+
+# The workers' server imports this module by name with the test process's sys.path, whose
+# relative entries resolve against the server's working directory: make the repository's absolute.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 Experiment = Dict[str, Any]
 

@@ -221,6 +221,44 @@ def test_resume_on_another_world_size(
     assert_states_equal(consolidated(back / "after_load"), consolidated(work_dir / "checkpoint_state_step10"))
 
 
+def _resume_with_other_wrapping(worker: harness.Worker, backend: str, root: Path) -> Optional[str]:
+    """
+    On each worker, with the engine built directly: 3 steps with every block its own unit, a
+    checkpoint, then an engine of the same model with FSDP on the root only loading it (and saving
+    what it loaded). Returns the load's error, if it refused.
+    """
+    nested = train_config(engine="fairscale", wrap="nested", engine_extra=backend_engine(backend))
+    root_only = train_config(engine="fairscale", wrap="root", engine_extra=backend_engine(backend))
+    engine = worker.engine(nested, root / "nested")
+    worker.train(engine, worker.batches(nested), 3)
+    engine.save_checkpoint(root / "saved", {"training_steps": 3})
+    engine = worker.engine(root_only, root / "root_only")
+    try:
+        engine.load_checkpoint(root / "saved")
+    except CheckpointError as error:
+        return str(error)
+    engine.save_checkpoint(root / "loaded", {"training_steps": 3})
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_of_another_wrapping(backend: str, tmp_path: Path) -> None:
+    (result,) = harness.run(
+        [harness.Call(_resume_with_other_wrapping, (backend, tmp_path))], out=tmp_path / "h"
+    )
+    result.check()
+    if backend == "fairscale":
+        # FairScale's flat parameters are the units': refused on every worker, naming them and the fix.
+        for error in result.values:
+            assert "The checkpoint was saved from a differently wrapped model" in error, error
+            assert "parameters only in the checkpoint ['blocks.0.flat_param_0'" in error, error
+            assert "Use the same modules_to_wrap/fsdp_config as the run that saved it" in error, error
+    else:
+        # DCP keys the shards by parameter name: the other wrapping holds exactly the saved state.
+        assert result.values == [None, None]
+        assert_states_equal(consolidated(tmp_path / "loaded"), consolidated(tmp_path / "saved"))
+
+
 class CreatesFile:
     """Unpickling this creates a file: what an attacker's checkpoint would do."""
 
