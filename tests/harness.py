@@ -1,8 +1,9 @@
 """
-Training in the test process's own workers instead of a ``tango run``: 2 (or more) gloo workers
-started with :mod:`torch.multiprocessing`, each running jobs one after another and leaving what
-they found in files that the test reads. A ``tango run`` spends 10 to 13 s starting the CLI, the
-step graph and the workers; here the workers start once (about 2 s) for any number of jobs.
+Training in the test process's own workers instead of a ``tango run``: 2 (or more) gloo workers,
+each running jobs one after another and leaving what they found in files that the test reads. A
+``tango run`` spends 10 to 13 s starting the CLI, the step graph and workers that import torch;
+these workers are forked, in milliseconds, from a server process (:mod:`multiprocessing`'s
+forkserver) that imported torch, Tango, FairScale and the package once per test session.
 
 Two kinds of job:
 
@@ -23,6 +24,8 @@ Two kinds of job:
 A job's exception does not end its worker: it is recorded (type, message and traceback), with the
 worker's log lines, and the worker goes on to its next job with a new process group. A worker that
 dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's exit code.
+
+:func:`spawn` is ``torch.multiprocessing.spawn`` on these workers, for the multi-process unit tests.
 """
 
 import logging
