@@ -334,6 +334,30 @@ class FailOnce(TrainCallback):
             raise RuntimeError(f"deliberate failure before step {step}")
 
 
+@TrainCallback.register("test::kill_once")
+class KillOnce(TrainCallback):
+    """
+    Kills every worker with SIGKILL before training step ``step`` (0-based), as ``kill -9`` of a
+    run between two checkpoints would, once: a marker file in the work directory remembers it, so
+    that re-running the same config resumes and finishes.
+    """
+
+    def __init__(self, *args: Any, step: int = 7, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = step
+        # Decided before training, so that worker 0 writing the marker cannot change worker 1's mind.
+        self.marker = self.train_config.work_dir / "killed_once"
+        self.kill = not self.marker.exists()
+
+    def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        if step == self.step and self.kill:
+            if self.is_local_main_process:
+                self.marker.touch()
+            # No worker dies before the marker is written; none is inside a collective after this.
+            torch.distributed.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 @Model.register("test::dropout_regressor")
 class DropoutRegressor(Model):
     """The toy regressor with dropout between blocks: its training draws from torch's generator."""

@@ -5,10 +5,10 @@ from typing import List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tango_fairscale.cpu.collectives import GlooCollectives
 from tango_fairscale.teardown import close_process_groups
+from tests import harness
 from tests.helpers import free_port
 
 
@@ -68,7 +68,7 @@ def _check(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_collectives_match_gloo(world_size: int) -> None:
-    mp.spawn(_check, args=(world_size, free_port()), nprocs=world_size)
+    harness.spawn(_check, args=(world_size, free_port()), nprocs=world_size)
 
 
 def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
@@ -117,4 +117,4 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_ring_collectives_match_gloo(world_size: int) -> None:
-    mp.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)
+    harness.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)

@@ -30,11 +30,11 @@ from tango_fairscale import checkpointing, consolidation, multihost
 from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.options import EngineOptions
 from tango_fairscale.teardown import close_process_groups
+from tests import harness
 from tests.helpers import (
     descendants,
     load_weights,
     max_abs_difference,
-    run_tango,
     tango_command,
     tango_env,
     train_config,
@@ -46,14 +46,17 @@ TOLERANCE = 1e-6
 #: A host without heartbeats for this long is lost (the default is 10 s).
 HOST_TIMEOUT = 3
 TRAIN_STEPS = 12
+RECORD_LOSSES: Dict[str, Any] = {"type": "test::record_losses"}
 CALLBACKS: List[Dict[str, Any]] = [
-    {"type": "test::record_losses"},
+    RECORD_LOSSES,
     # So that a host can be killed between two checkpoints.
     {"type": "test::slow_down", "seconds": 0.3},
 ]
 
 
-def config(device_count: int = 2, **overrides: Any) -> Dict[str, Any]:
+def config(
+    device_count: int = 2, callbacks: Optional[List[Dict[str, Any]]] = None, **overrides: Any
+) -> Dict[str, Any]:
     """The experiment every test trains: the same model, data, seed and per-worker batch."""
     return train_config(
         engine="fairscale",
@@ -61,7 +64,7 @@ def config(device_count: int = 2, **overrides: Any) -> Dict[str, Any]:
         device_count=device_count,
         train_steps=TRAIN_STEPS,
         checkpoint_every=3,
-        callbacks=CALLBACKS,
+        callbacks=CALLBACKS if callbacks is None else callbacks,
         **overrides,
     )
 
@@ -166,8 +169,6 @@ def _transfer_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     from tests.helpers import free_port
 
     contents = {rank: os.urandom(size) for rank, size in enumerate(_SIZES)}
@@ -185,7 +186,7 @@ def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
             if not (case == "missing" and rank == 1):
                 (directory / "sub" / f"worker{rank}.bin").write_bytes(data)
             checkpointing.write_marker(directory, 3, {"files": [], "digests": digests})
-    mp.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
+    harness.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
     outcomes = [json.loads((tmp_path / f"outcome{rank}.json").read_text()) for rank in range(3)]
     for rank, outcome in enumerate(outcomes):
         # Every host ends with every other host's file, byte for byte.
@@ -432,10 +433,10 @@ def _weights(hosts: Hosts, node: int) -> Dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_host_reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
-    """The same experiment on one host with 4 workers."""
-    root = tmp_path_factory.mktemp("one_host")
-    run_tango(config(device_count=4), root / "ws", cwd=root / "cwd")
-    return load_weights(root / "ws")
+    """The same experiment on one host with 4 workers (in the test's own workers: tests.harness)."""
+    work_dir = tmp_path_factory.mktemp("one_host") / "work"
+    harness.train(config(device_count=4, callbacks=[RECORD_LOSSES]), work_dir, world_size=4)
+    return torch.load(work_dir / "weights.pt", weights_only=True)
 
 
 _uninterrupted: Dict[str, Hosts] = {}
@@ -602,12 +603,13 @@ def test_two_host_checkpoint_resumes_on_one_host(
         device_count=2,
         train_steps=TRAIN_STEPS + 6,
         checkpoint_every=6,
-        callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
+        callbacks=[{"type": "test::save_after_load"}, RECORD_LOSSES],
         engine_extra={"resume_from_checkpoint": str(merged)},
     )
-    result = run_tango(experiment, tmp_path / "ws", cwd=tmp_path / "cwd")
-    assert "Resharding checkpoint" in result.stdout + result.stderr
-    work_dir = train_work_dir(tmp_path / "ws")
+    # In the test's own workers (tests.harness): what is under test is the checkpoint.
+    work_dir = tmp_path / "work"
+    result = harness.train(experiment, work_dir)
+    assert "Resharding checkpoint" in result.logs
     # Right after loading, the 2 workers hold exactly what the 4 workers on 2 hosts saved.
     after, saved = _consolidated(work_dir / "after_load"), _consolidated(merged)
     assert max_abs_difference(after["model"], saved["model"]) == 0.0

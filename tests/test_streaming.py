@@ -13,8 +13,7 @@ import torch
 from tango_fairscale import checkpointing, consolidation
 from tango_fairscale.checkpointing.streaming import TensorEntry, stream_save
 from tango_fairscale.errors import CheckpointError
-from tests.conftest import ToyRun
-from tests.helpers import train_work_dir
+from tests.conftest import ToyTrain
 
 
 def _entries(state: Dict[str, torch.Tensor], aliases: Dict[str, str]) -> List[TensorEntry]:
@@ -84,9 +83,9 @@ def test_stream_save_is_atomic_and_checks_what_it_is_given(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_streamed_consolidation_equals_the_in_memory_one(
-    toy_run: ToyRun, tmp_path: Path, backend: str
+    toy_train: ToyTrain, tmp_path: Path, backend: str
 ) -> None:
-    work = train_work_dir(toy_run("fairscale", "nested", backend))
+    work = toy_train("fairscale", "nested", backend)
     checkpoint = checkpointing.resolve_checkpoint(work)
     whole = consolidation.consolidate(checkpoint)
     streamed_path = tmp_path / "streamed.pt"

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -51,6 +50,7 @@ from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tango_fairscale.options import check_engine_options
 from tango_fairscale.teardown import close_process_groups
 from tango_fairscale.topology import Topology
+from tests import harness
 from tests.helpers import REPO, free_port
 
 STEPS = 4
@@ -266,7 +266,7 @@ def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("torch_backend")
-    mp.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
+    harness.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
     return out
 
 
@@ -600,7 +600,7 @@ def test_consolidated_checkpoint_loads_strictly_into_the_plain_model(trained: Pa
 def _load_on(trained: Path, world_size: int, hosts: int) -> List[Dict[str, Any]]:
     name = f"load{world_size}_rank0.pt"
     if not (trained / name).exists():
-        mp.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
+        harness.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
     return _results(trained, f"load{world_size}", world_size)
 
 
@@ -709,7 +709,7 @@ def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         outcome = (tmp_path / f"outcome{rank}.txt").read_text()
         assert f"{data} has SHA-256" in outcome, outcome
@@ -828,7 +828,7 @@ def test_a_checkpoint_of_other_parameters_is_refused_naming_them(trained: Path, 
     import shutil
 
     shutil.copytree(trained / "checkpoint", tmp_path / "checkpoint")
-    mp.spawn(_other_blocks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    harness.spawn(_other_blocks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for outcomes in _results(tmp_path, "blocks", 2):
         fewer, more = outcomes[2], outcomes[4]
         assert "saved from a model with other parameters" in fewer and "\n" not in fewer
@@ -874,7 +874,7 @@ def test_tampered_files_with_matching_digests_are_one_line(
         fields["digests"][name] = checkpointing.file_digest(copy / name)
     checkpointing.write_marker(copy, world_size=fields.pop("world_size"), extra=fields)
     shutil.copytree(copy, tmp_path / "copy1")
-    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         outcome = (tmp_path / f"outcome{rank}.txt").read_text()
         assert "\n" not in outcome and "Nothing in it was run" in outcome, outcome
