@@ -129,6 +129,8 @@ def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+# Extended: test_example_gpt2.py plans the same example in make test.
+@pytest.mark.extended
 def test_the_gpt2_example_plans_from_its_directory() -> None:
     # Its tango.yml sets `size` in the environment, which the jsonnet reads with std.extVar,
     # and includes its `components` module by a name relative to that directory. A separate

@@ -639,7 +639,11 @@ def test_two_host_checkpoint_resumes_on_one_host(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "hybrid", [pytest.param(False, marks=pytest.mark.extended), True], ids=["full", "hybrid"]
+    "hybrid",
+    # Both extended: four tango runs across two hosts (50 s); the torch backend's host parts are
+    # loaded in the harness in make test (test_torch_backend.py's checkpoint-across-hosts tests).
+    [pytest.param(False, marks=pytest.mark.extended), pytest.param(True, marks=pytest.mark.extended)],
+    ids=["full", "hybrid"],
 )
 def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
     hybrid: bool, loopback: Network, one_host_reference: Dict[str, torch.Tensor], tmp_path: Path

@@ -10,9 +10,10 @@ real ``tango`` command line: the 8 combinations of
 
 on a three-block regressor of four features (``tests/tango_suite/components.py``), every block
 its own unit. All 8 are steps of one experiment, run by one ``tango run -i tango_fairscale``
-(one start-up instead of 8). A second run trains one of the cases with the plugin loaded only
-by a plain ``import tango_fairscale`` in the process that calls Tango's CLI
-(``tests/tango_suite/plain_import.py``), so that the workers must find the plugin by themselves.
+(one start-up instead of 8; make test runs three of them, make test-all all 8). A second run
+trains one of the cases with the plugin loaded only by a plain ``import tango_fairscale`` in the
+process that calls Tango's CLI (``tests/tango_suite/plain_import.py``), so that the workers must
+find the plugin by themselves.
 
 Each case checks its own step: it finished, its ``weights.pt`` loads with ``strict=True`` into
 the plain model, and those weights fit the training data better than the model Tango started
@@ -159,12 +160,30 @@ def run_suite(root: Path, cases: List[Case], plain_import: bool) -> SuiteRun:
 # With the plugin loaded by a plain import, one case: the FSDP engine and the wrapper with
 # checkpointing, both needed inside the workers (each step costs about 10 s of worker start-up).
 PLAIN_IMPORT_CASES = [Case(fsdp=True, ckpt=True, amp=False)]
-VARIANTS = {"include": CASES, "plain_import": PLAIN_IMPORT_CASES}
+# make test runs three of the 8 (every option on and off at least once, both engines); the run of
+# all 8 (60 s) is extended.
+INCLUDE_CASES = [
+    Case(fsdp=True, ckpt=True, amp=True),
+    Case(fsdp=True, ckpt=False, amp=False),
+    Case(fsdp=False, ckpt=True, amp=False),
+]
+VARIANTS = {"include": INCLUDE_CASES, "include_all": CASES, "plain_import": PLAIN_IMPORT_CASES}
+EXTENDED_VARIANTS = {"include_all"}
+
+
+def variant_param(variant: str, *values: Any, id: str) -> Any:
+    marks = [pytest.mark.extended] if variant in EXTENDED_VARIANTS else []
+    return pytest.param(variant, *values, id=id, marks=marks)
 
 
 @pytest.fixture(scope="module")
 def include_run(tmp_path_factory: pytest.TempPathFactory) -> SuiteRun:
-    return run_suite(tmp_path_factory.mktemp("suite_include"), CASES, plain_import=False)
+    return run_suite(tmp_path_factory.mktemp("suite_include"), INCLUDE_CASES, plain_import=False)
+
+
+@pytest.fixture(scope="module")
+def include_all_run(tmp_path_factory: pytest.TempPathFactory) -> SuiteRun:
+    return run_suite(tmp_path_factory.mktemp("suite_include_all"), CASES, plain_import=False)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +199,7 @@ def full_train_loss(model: SuiteRegressor) -> float:
         )["loss"].item()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [variant_param(variant, id=variant) for variant in VARIANTS])
 def test_run_exits_zero(variant: str, request: pytest.FixtureRequest) -> None:
     run: SuiteRun = request.getfixturevalue(f"{variant}_run")
     returncode = run.returncode
@@ -193,7 +212,7 @@ def test_run_exits_zero(variant: str, request: pytest.FixtureRequest) -> None:
 @pytest.mark.parametrize(
     "variant, case",
     [
-        pytest.param(variant, case, id=f"{variant}-{case.name}")
+        variant_param(variant, case, id=f"{variant}-{case.name}")
         for variant, cases in VARIANTS.items()
         for case in cases
     ],
