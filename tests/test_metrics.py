@@ -34,8 +34,13 @@ def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))
 
 
-def read_lines(path: Path) -> List[Dict[str, Any]]:
+def read_all(path: Path) -> List[Dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_lines(path: Path) -> List[Dict[str, Any]]:
+    """The training and validation lines (not the run lines, which describe each run)."""
+    return [line for line in read_all(path) if line["kind"] != "run"]
 
 
 def png_size(path: Path) -> Tuple[int, int]:
@@ -128,13 +133,21 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     train_step(callback, clock, 2, [{"loss": torch.tensor(0.5)}], seconds=1.0, logged_loss=0.5)
     callback.post_train_loop(2, 0)
 
-    lines = read_lines(tmp_path / METRICS_FILE_NAME)
+    run, *lines = read_all(tmp_path / METRICS_FILE_NAME)
     assert [(line["kind"], line["step"]) for line in lines] == [
         ("train", 1),
         ("train", 2),
         ("validation", 2),
         ("train", 3),
     ]
+    # The run line comes first and says what the figures are: these batches (x, y) have no
+    # tokens; FLOPs are counted on the first step (this test's steps compute nothing).
+    assert run["kind"] == "run" and run["step"] == 0 and run["world_size"] == 1
+    assert run["device"] == "cpu" and run["compute_dtype"] == "float32"
+    assert run["tokens"].startswith("none:") and "samples/s only" in run["tokens"]
+    assert run["flops"].startswith("FlopCounterMode: forward and backward of step 1")
+    assert run["model_flops_counted"] == {"step": 1, "flops": 0.0}
+    assert "not measured" in run["collectives"]
     first, second, validation, third = lines
     assert first["loss"] == 1.75 and first["mae"] == 1.0 and first["count"] == 4.0
     assert "prediction" not in first  # not a scalar
@@ -142,6 +155,8 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     # 8 samples in 2 s, the clock started by the first pre_batch.
     assert first["samples_per_second"] == 4.0
     assert first["peak_memory_mib"] > 10  # this process's peak RSS (a CPU "device")
+    assert first["step_time_s"] == 2.0 and first["tokens_per_second"] is None
+    assert first["model_flops_per_step"] == 0.0 and first["collective_time_s"] is None
     # The worker's own loss where Tango gave none; a model output named like a field is renamed;
     # a NaN mean is null (JSON has no NaN); booleans are not numbers to plot.
     assert second["loss"] == 2.0 and second["output_lr"] == 8.0 and second["mae"] is None
@@ -158,6 +173,7 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     }
     # The validation's 10 s are not in the third step's time: 4 samples in 1 s.
     assert third["samples_per_second"] == 4.0 and third["lr"] == 0.2
+    assert (second["step_time_s"], third["step_time_s"]) == (4.0, 1.0)
     assert first["time"] <= second["time"] <= validation["time"] <= third["time"]
 
 
@@ -173,6 +189,7 @@ def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch:
     assert [line["loss"] for line in lines] == [0.0, 1.0, 3.0, 4.0]
     # Samples/s covers every step since the previous line: 2 steps of 4 samples in 2 s.
     assert [line["samples_per_second"] for line in lines] == [4.0, 4.0, 4.0, 4.0]
+    assert [line["step_time_s"] for line in lines] == [1.0, 1.0, 1.0, 1.0]
 
     with pytest.raises(ValueError, match="every must be >= 1"):
         make_callback(tmp_path, train_steps=5, every=0)
@@ -184,6 +201,9 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     path = tmp_path / METRICS_FILE_NAME
     before = [{"step": step, "kind": "train", "loss": 10.0 + step} for step in range(1, 7)]
     before.insert(4, {"step": 4, "kind": "validation", "val_loss": 1.0})
+    # The first run's run line, and that of a run that resumed after step 4 and crashed again.
+    before.insert(0, {"step": 0, "kind": "run"})
+    before.insert(6, {"step": 4, "kind": "run"})
     # A crash while writing leaves half a line at the end.
     path.write_text("".join(json.dumps(line) + "\n" for line in before) + '{"step": 7, "kind": "tr')
 
@@ -192,13 +212,15 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     for step in (4, 5):
         train_step(callback, clock, step, [{"loss": torch.tensor(float(step))}])
     callback.post_train_loop(5, 0)
-    lines = read_lines(path)
+    lines = read_all(path)
     assert [(line["kind"], line["step"], line.get("loss")) for line in lines] == [
+        ("run", 0, None),
         ("train", 1, 11.0),
         ("train", 2, 12.0),
         ("train", 3, 13.0),
         ("train", 4, 14.0),
         ("validation", 4, None),
+        ("run", 4, None),  # this run's, written with its first line
         ("train", 5, 4.0),
         ("train", 6, 5.0),
     ]
@@ -207,7 +229,10 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     fresh = make_callback(tmp_path, train_steps=1)
     train_step(fresh, clock, 0, [{"loss": torch.tensor(0.25)}])
     fresh.post_train_loop(0, 0)
-    assert [(line["step"], line["loss"]) for line in read_lines(path)] == [(1, 0.25)]
+    assert [(line["kind"], line["step"], line.get("loss")) for line in read_all(path)] == [
+        ("run", 0, None),
+        ("train", 1, 0.25),
+    ]
 
 
 def test_in_a_tango_run_with_the_torch_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
