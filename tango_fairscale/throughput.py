@@ -441,8 +441,13 @@ class WorkerMeter:
         return COLLECTIVES.totals()
 
     def collectives_timed(self) -> bool:
-        """Whether this worker's FSDP collectives go through the timed rings (CPU workers of the engine)."""
-        return self.device.type == "cpu" and COLLECTIVES.totals().total_calls > 0
+        """
+        Whether this worker's FSDP collectives go through the timed rings: CPU workers of the
+        ``"fairscale"`` engine, either backend (not DDP's all-reduces, not NCCL on GPUs).
+        """
+        from .engine import FairScaleTrainingEngine  # not at import: the engine imports this module's users
+
+        return self.device.type == "cpu" and isinstance(self.training_engine, FairScaleTrainingEngine)
 
     def info(self) -> MeterInfo:
         """What the run line of the metrics log says about this worker's figures."""

@@ -177,6 +177,59 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     assert first["time"] <= second["time"] <= validation["time"] <= third["time"]
 
 
+def test_tokens_model_flops_and_mfu_of_real_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small sequence model trained between the hooks as Tango's loop does it: the FLOPs the
+    # log gives a step are FlopCounterMode's count of the same forward and backward passes.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    callback = make_callback(tmp_path, train_steps=2, peak_tflops=0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 32), torch.nn.Linear(32, 16))
+
+    def forward_backward(micro_batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(micro_batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro_batch["input_ids"].flatten())
+        loss.backward()
+        return loss.detach()
+
+    def lm_batch(size: int, length: int, padding: int) -> Dict[str, torch.Tensor]:
+        mask = torch.ones(size, length, dtype=torch.long)
+        mask[:, length - padding :] = 0
+        return {"input_ids": torch.randint(16, (size, length)), "attention_mask": mask}
+
+    # Step 1: two micro-batches of 4 sequences of 6 positions, 1 of them padding.
+    step1 = [lm_batch(4, 6, 1), lm_batch(4, 6, 1)]
+    with FlopCounterMode(display=False) as reference:
+        for micro_batch in step1:
+            forward_backward(micro_batch)
+    counted = reference.get_total_flops()
+    assert counted > 0
+    model.zero_grad()
+
+    callback.pre_train_loop()
+    for step, batch in enumerate([step1, [lm_batch(4, 9, 0)]]):
+        callback.pre_batch(step, 0, batch)
+        losses = [forward_backward(micro_batch) for micro_batch in batch]
+        callback.post_batch(step, 0, float(sum(losses)) / len(losses), [{"loss": loss} for loss in losses])
+        clock.now += 2.0
+    callback.post_train_loop(1, 0)
+
+    run, first, second = read_all(tmp_path / METRICS_FILE_NAME)
+    assert run["tokens"] == "attention_mask: its non-zero entries"
+    assert run["peak"] == "given: 0.5 TFLOP/s" and run["peak_flops_per_second"] == 0.5e12
+    assert run["model_flops_counted"] == {"step": 1, "flops": counted}
+    assert first["model_flops_per_step"] == counted
+    assert first["tokens_per_step"] == 2 * 4 * 5 and first["step_time_s"] == 2.0
+    assert first["tokens_per_second"] == 20.0
+    assert first["model_flops_per_second"] == counted / 2.0
+    assert first["mfu"] == pytest.approx(counted / 2.0 / 0.5e12)
+    # Step 2: 36 positions against step 1's 48: its FLOPs scaled from the counted step's.
+    assert second["model_flops_per_step"] == pytest.approx(counted * 36 / 48)
+    assert second["tokens_per_step"] == 36 and second["samples_per_second"] == 2.0
+
+
 def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)

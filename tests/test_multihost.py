@@ -651,3 +651,45 @@ def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
         assert max_abs_difference(consolidation.consolidate(final), _weights(hosts, node)) == 0.0
     mesh = "('replicate', 'shard') 2 x 2" if hybrid else "('shard',) 4"
     assert f"Sharding over the device mesh {mesh}" in hosts.output(0)
+
+
+# --- Watching a run across hosts ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_wandb_across_hosts_logs_every_worker_from_global_rank_zero(network: Network, tmp_path: Path) -> None:
+    """
+    fairscale::wandb on two hosts of 2 workers, in W&B's offline mode: one run, on host 0 only
+    (global rank 0), every step once, each with the figures of all 4 workers, which reach rank 0
+    through the rendezvous store (no collective).
+    """
+    pytest.importorskip("wandb", reason="the loggers extra: pip install 'tango-fairscale[loggers]'")
+    from tests.test_loggers import wandb_history
+
+    experiment = config()
+    experiment["steps"]["train"]["callbacks"] = [*CALLBACKS, {"type": "fairscale::wandb", "every": 1}]
+    env = {"WANDB_MODE": "offline"}
+    for name in ("CONFIG", "CACHE", "DATA"):
+        env[f"WANDB_{name}_DIR"] = str(tmp_path / f"wandb-{name.lower()}")
+    launcher = "slurm" if network.name == "loopback" else "static"
+    hosts = Hosts(network, tmp_path, launcher, experiment, env=env)
+    hosts.run()
+    work_dirs = [train_work_dir(hosts.workspace(node)) for node in range(2)]
+    assert not (work_dirs[1] / "wandb").exists()  # host 1's workers only send their figures
+    (directory,) = (work_dirs[0] / "wandb").glob("offline-run-*")
+    run_id, rows = wandb_history(next(directory.glob("run-*.wandb")))
+    assert directory.name.endswith(f"-{run_id}")
+    losses = {
+        line["step"]: line["loss"]
+        for line in map(json.loads, (work_dirs[0] / "metrics.jsonl").read_text().splitlines())
+        if line["kind"] == "train"
+    }
+    assert [step for step, _ in rows] == list(range(1, TRAIN_STEPS + 1))
+    for step, values in rows:
+        assert values["train/loss"] == pytest.approx(losses[step], rel=1e-6)
+        for rank in range(4):
+            assert values[f"worker{rank}/peak_memory_mib"] > 0
+            assert values[f"worker{rank}/samples_per_second"] > 0
+            assert 0 < values[f"worker{rank}/mfu"] <= 1
+        # The toy regression batches have no tokens: samples/s only.
+        assert "train/tokens_per_second" not in values and values["train/samples_per_second"] > 0
