@@ -243,23 +243,27 @@ def combine(windows: Sequence[Window]) -> Dict[str, Optional[float]]:
     """
     steps = max((w.steps for w in windows), default=0)
     step_time = max((w.seconds / w.steps for w in windows if w.steps), default=0.0)
-    result: Dict[str, Optional[float]] = {"step_time_s": step_time if step_time > 0 else None}
-    tokens = _total([w.tokens for w in windows])
-    result["tokens_per_step"] = tokens / steps if tokens is not None and steps else None
-    flops = _total([w.flops for w in windows])
-    result["model_flops_per_step"] = flops / steps if flops is not None and steps else None
-    for key, per_step in (
-        ("tokens_per_second", "tokens_per_step"),
-        ("model_flops_per_second", "model_flops_per_step"),
-    ):
-        value = result[per_step]
-        result[key] = value / step_time if value is not None and step_time > 0 else None
-    result["mfu"] = mfu(result["model_flops_per_second"], _total([w.peak_flops_per_second for w in windows]))
+
+    def per_step(total: Optional[float]) -> Optional[float]:
+        return total / steps if total is not None and steps else None
+
+    def per_second(value: Optional[float]) -> Optional[float]:
+        return value / step_time if value is not None and step_time > 0 else None
+
+    tokens = per_step(_total([w.tokens for w in windows]))
+    flops = per_step(_total([w.flops for w in windows]))
     collective = [
         w.collective_seconds / w.steps for w in windows if w.collective_seconds is not None and w.steps
     ]
-    result["collective_time_s"] = max(collective) if len(collective) == len(windows) and collective else None
-    return result
+    return {
+        "step_time_s": step_time if step_time > 0 else None,
+        "tokens_per_step": tokens,
+        "tokens_per_second": per_second(tokens),
+        "model_flops_per_step": flops,
+        "model_flops_per_second": per_second(flops),
+        "mfu": mfu(per_second(flops), _total([w.peak_flops_per_second for w in windows])),
+        "collective_time_s": max(collective) if collective and len(collective) == len(windows) else None,
+    }
 
 
 def worker_figures(window: Window) -> Dict[str, Optional[float]]:

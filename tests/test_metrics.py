@@ -458,6 +458,17 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
         assert line["lr"] == pytest.approx(0.01 if line["step"] <= 4 else 0.005)
         assert line["samples_per_second"] > 0 and line["peak_memory_mib"] > 50
         assert line["epoch"] == 0  # 256 samples, 16 a step: one epoch is 16 steps
+        # Throughput: these batches (x, y) have no tokens; the same FLOPs every step (both
+        # runs counted their first step); the fairscale backend's rings are timed.
+        assert line["tokens_per_step"] is None and line["tokens_per_second"] is None
+        assert line["model_flops_per_step"] == training[0]["model_flops_per_step"] > 0
+        assert line["model_flops_per_second"] * line["step_time_s"] == pytest.approx(
+            line["model_flops_per_step"]
+        )
+        assert 0 < line["mfu"] <= 1 and line["collective_time_s"] > 0
+    runs = [line for line in read_all(path) if line["kind"] == "run"]
+    assert [(run["step"], run["model_flops_counted"]["step"]) for run in runs] == [(0, 1), (4, 5)]
+    assert all(run["model_flops_counted"]["flops"] == training[0]["model_flops_per_step"] for run in runs)
     for line in (lines[4], lines[-1]):
         assert set(line) == {
             "step",
@@ -474,7 +485,8 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
 
     assert main(["plot", str(work_dir)]) == 0
     assert (
-        "6 panels (loss, mae, batch_size, lr, samples_per_second, peak_memory_mib)" in capsys.readouterr().out
-    )
+        "11 panels (loss, mae, batch_size, lr, samples_per_second, step_time_s, model_flops_per_step, "
+        "model_flops_per_second, mfu, collective_time_s, peak_memory_mib)"
+    ) in capsys.readouterr().out
     width, height = png_size(work_dir / "metrics.png")
     assert width > 0 and height > 0 and (work_dir / "metrics.png").stat().st_size > 10_000

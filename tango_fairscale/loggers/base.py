@@ -187,13 +187,24 @@ class RankZeroLogger(TrainCallback):
         self.meter.peak()
         if self.world_size > 1:
             config = self.train_config
-            self._mailbox = _Mailbox(
-                config.distributed_address,
-                config.distributed_port,
-                f"tango_fairscale/{self.NAME}/",
-                self.world_size,
-                self.rank,
-            )
+            try:
+                self._mailbox = _Mailbox(
+                    config.distributed_address,
+                    config.distributed_port,
+                    f"tango_fairscale/{self.NAME}/",
+                    self.world_size,
+                    self.rank,
+                )
+            except Exception as error:  # noqa: BLE001 - a logger must not end the training
+                logger.warning(
+                    "%s: worker %d cannot reach the rendezvous store at %s:%s (%s); rank 0 logs "
+                    "without this worker's figures",
+                    self.NAME,
+                    self.rank,
+                    config.distributed_address,
+                    config.distributed_port,
+                    error,
+                )
 
     def pre_batch(self, step: int, epoch: int, batch: List[Dict[str, Any]]) -> None:
         if self._first_step is None:
