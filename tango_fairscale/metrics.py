@@ -18,8 +18,7 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
 from .callbacks import peak_memory_mib
-from .cpu.timing import CollectiveTotals
-from .throughput import Window, combine, meter_for
+from .throughput import StepWindow, Window, combine, meter_for
 
 __all__ = ["METRICS_FILE_NAME", "MetricsLog", "plot_metrics", "read_metrics"]
 
@@ -205,11 +204,7 @@ class MetricsLog(TrainCallback):
         self._described = False  # whether this run's run line was written
         self._pending: Optional[_Pending] = None
         self._lr: Optional[float] = None
-        self._window = Window()  # this worker's figures since the previous line
-        self._seconds = 0.0  # this worker's training time since the previous line, clock aside
-        self._clock: Optional[float] = None  # perf_counter() when the running clock started
-        self._collectives_mark: Optional[CollectiveTotals] = None  # totals when the clock started
-        self._flops_known = True  # every step since the previous line had its FLOPs
+        self._window = StepWindow(self.meter)  # this worker's figures since the previous line
         self._val_sums: Dict[str, Tuple[float, int]] = {}
 
     @property
@@ -233,15 +228,7 @@ class MetricsLog(TrainCallback):
             if self.is_local_main_process:
                 self._drop_lines_after(step)
         self._flush()
-        if self._clock is None:
-            self._clock = time.perf_counter()
-            self._collectives_mark = self.meter.collectives()
-        self.meter.start_step(step, batch)
-        window = self._window
-        window.steps += 1
-        window.samples += self.meter.step_samples()
-        tokens = self.meter.step_tokens()
-        window.tokens = None if tokens is None else (window.tokens or 0) + tokens
+        self._window.start_step(step, batch)
         # Read before the optimizer step: the engine steps the LR scheduler right after it.
         self._lr = self._current_lr()
 
@@ -249,12 +236,7 @@ class MetricsLog(TrainCallback):
         self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
     ) -> None:
         """Keeps the step's loss and scalar outputs until its optimizer step is done."""
-        self.meter.end_forward_backward(step)
-        flops = self.meter.step_flops()
-        if flops is None:
-            self._flops_known = False
-        else:
-            self._window.flops = (self._window.flops or 0.0) + flops
+        self._window.end_forward_backward(step)
         self._pending = _Pending(step, epoch, batch_loss, _sums(batch_outputs), self._lr)
 
     def log_batch(
@@ -267,7 +249,7 @@ class MetricsLog(TrainCallback):
     def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
         """Writes the step's line and stops the clock for the validation loop."""
         self._flush()
-        self._stop_clock()
+        self._window.pause()
         if val_step == 0:
             self._val_sums = {}
 
@@ -280,7 +262,7 @@ class MetricsLog(TrainCallback):
     def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
         """Writes the validation line."""
         self._flush()  # in case the loop had no batches
-        self._stop_clock()
+        self._window.pause()
         per_worker = self._gather(self._val_sums)
         self._val_sums = {}
         if not self.is_local_main_process:
@@ -312,27 +294,14 @@ class MetricsLog(TrainCallback):
         pending, self._pending = self._pending, None
         if pending is None or not self._should_write(pending.step):
             return  # the samples and seconds go into the next line
-        now = time.perf_counter()
-        window, self._window = self._window, Window()
-        window.seconds = self._seconds + (now - self._clock if self._clock is not None else 0.0)
-        self._add_collectives(window)
-        if not self._flops_known:
-            window.flops = None
-        window.peak_flops_per_second = self.meter.peak().flops_per_second
-        if not self.meter.collectives_timed():
-            window.collective_seconds = None
         local: Dict[str, Any] = {
             "loss": pending.local_loss,
             "outputs": pending.outputs,
-            "window": window,
+            "window": self._window.close(),
             "peak": peak_memory_mib(self.train_config.worker_local_default_device),
         }
         if not self._described:
             local["info"] = self.meter.info()
-        self._seconds, self._flops_known = 0.0, True
-        if self._clock is not None:
-            self._clock = now
-            self._collectives_mark = self.meter.collectives()
         gathered = self._gather(local)
         if not self._described:
             self._described = True
@@ -388,21 +357,6 @@ class MetricsLog(TrainCallback):
             "collectives": first.collectives,
             "time": time.time(),
         }
-
-    def _add_collectives(self, window: Window) -> None:
-        """Adds the collectives since the clock (re)started to ``window``, and restarts the count."""
-        if self._collectives_mark is None:
-            return
-        seconds = self.meter.collectives().since(self._collectives_mark).total_seconds
-        window.collective_seconds = (window.collective_seconds or 0.0) + seconds
-        self._collectives_mark = None
-
-    def _stop_clock(self) -> None:
-        if self._clock is not None:
-            self._seconds += time.perf_counter() - self._clock
-            self._clock = None
-            # A validation loop's collectives are not the training steps'.
-            self._add_collectives(self._window)
 
     def _current_lr(self) -> Optional[float]:
         optimizer = getattr(self.training_engine, "optimizer", None)

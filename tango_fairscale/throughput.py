@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "GPU_PEAK_TFLOPS",
     "Peak",
+    "StepWindow",
     "Window",
     "WorkerMeter",
     "combine",
@@ -495,6 +496,76 @@ class WorkerMeter:
         if counted is not None:
             info.counted = {"step": counted[0].step + 1, "flops": counted[1], "samples": counted[0].samples}
         return info
+
+
+class StepWindow:
+    """
+    One callback's running window of this worker's figures over the steps since it last closed
+    it (a line of the metrics log, a row of a logger): the callback's own clock and counts, the
+    worker's shared :class:`WorkerMeter` for tokens, FLOPs, the peak and the collectives. The clock
+    runs from the start of a step to the start of the next; :meth:`pause` stops it for a
+    validation loop (whose time and collectives are not the training steps').
+    """
+
+    def __init__(self, meter: WorkerMeter) -> None:
+        self.meter = meter
+        self._window = Window()
+        self._seconds = 0.0  # time of the window's steps, the running clock aside
+        self._clock: Optional[float] = None  # perf_counter() when the running clock started
+        self._mark: Optional[CollectiveTotals] = None  # the collectives' totals then
+        self._flops_known = True  # every step of the window had its FLOPs
+
+    def start_step(self, step: int, batch: Sequence[Any]) -> None:
+        """In ``pre_batch``: the step's samples and tokens (and the clock, if stopped)."""
+        if self._clock is None:
+            self._clock = time.perf_counter()
+            self._mark = self.meter.collectives()
+        self.meter.start_step(step, batch)
+        window = self._window
+        window.steps += 1
+        window.samples += self.meter.step_samples()
+        tokens = self.meter.step_tokens()
+        window.tokens = None if tokens is None else (window.tokens or 0) + tokens
+
+    def end_forward_backward(self, step: int) -> None:
+        """In ``post_batch``: the step's model FLOPs."""
+        self.meter.end_forward_backward(step)
+        flops = self.meter.step_flops()
+        if flops is None:
+            self._flops_known = False
+        else:
+            self._window.flops = (self._window.flops or 0.0) + flops
+
+    def pause(self) -> None:
+        """Stop the clock (a validation loop begins)."""
+        if self._clock is not None:
+            self._seconds += time.perf_counter() - self._clock
+            self._clock = None
+            self._add_collectives(self._window)
+
+    def close(self) -> Window:
+        """The window's figures; a new window starts now."""
+        now = time.perf_counter()
+        window, self._window = self._window, Window()
+        window.seconds = self._seconds + (now - self._clock if self._clock is not None else 0.0)
+        self._add_collectives(window)
+        if not self._flops_known:
+            window.flops = None
+        window.peak_flops_per_second = self.meter.peak().flops_per_second
+        if not self.meter.collectives_timed():
+            window.collective_seconds = None
+        self._seconds, self._flops_known = 0.0, True
+        if self._clock is not None:
+            self._clock = now
+            self._mark = self.meter.collectives()
+        return window
+
+    def _add_collectives(self, window: Window) -> None:
+        if self._mark is None:
+            return
+        seconds = self.meter.collectives().since(self._mark).total_seconds
+        window.collective_seconds = (window.collective_seconds or 0.0) + seconds
+        self._mark = None
 
 
 #: id(train_config) -> (a weak reference to it, its meter). TrainConfig is an unhashable

@@ -34,8 +34,7 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
 from ..callbacks import peak_memory_mib
-from ..cpu.timing import CollectiveTotals
-from ..throughput import Window, combine, meter_for, worker_figures
+from ..throughput import StepWindow, Window, combine, meter_for, worker_figures
 
 logger = logging.getLogger(__name__)
 
@@ -135,12 +134,7 @@ class RankZeroLogger(TrainCallback):
         self._first_step: Optional[int] = None
         self._write_from = 0  # rows of earlier steps are already written (by an earlier run)
         self._opened = False
-        # This worker's window since its previous record.
-        self._window = Window()
-        self._clock: Optional[float] = None
-        self._seconds = 0.0
-        self._collectives_mark: Optional[CollectiveTotals] = None
-        self._flops_known = True
+        self._window = StepWindow(self.meter)  # this worker's figures since its previous record
         self._pending_step: Optional[int] = None
         self._pending_loss = 0.0
         self._lr: Optional[float] = None
@@ -215,36 +209,23 @@ class RankZeroLogger(TrainCallback):
                 self._replay(held, step)
                 self._write_from = max(held, step) + 1
         self._finish_window()
-        if self._clock is None:
-            self._clock = time.perf_counter()
-            self._collectives_mark = self.meter.collectives()
-        self.meter.start_step(step, batch)
-        window = self._window
-        window.steps += 1
-        window.samples += self.meter.step_samples()
-        tokens = self.meter.step_tokens()
-        window.tokens = None if tokens is None else (window.tokens or 0) + tokens
+        self._window.start_step(step, batch)
         self._lr = self._current_lr()
 
     def post_batch(
         self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
     ) -> None:
-        self.meter.end_forward_backward(step)
-        flops = self.meter.step_flops()
-        if flops is None:
-            self._flops_known = False
-        else:
-            self._window.flops = (self._window.flops or 0.0) + flops
+        self._window.end_forward_backward(step)
         self._pending_step = step
         self._pending_loss = batch_loss
 
     def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
         self._finish_window()
-        self._stop_clock()
+        self._window.pause()
 
     def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
         self._finish_window()
-        self._stop_clock()
+        self._window.pause()
         if self.is_writer:
             name = self.train_config.val_metric_name
             self._val[step + 1] = {f"val/{name}": val_metric, f"val/best_{name}": best_val_metric}
@@ -267,19 +248,7 @@ class RankZeroLogger(TrainCallback):
         step, self._pending_step = self._pending_step, None
         if step is None or not self._should_log(step):
             return
-        now = time.perf_counter()
-        window, self._window = self._window, Window()
-        window.seconds = self._seconds + (now - self._clock if self._clock is not None else 0.0)
-        self._add_collectives(window)
-        if not self._flops_known:
-            window.flops = None
-        window.peak_flops_per_second = self.meter.peak().flops_per_second
-        if not self.meter.collectives_timed():
-            window.collective_seconds = None
-        self._seconds, self._flops_known = 0.0, True
-        if self._clock is not None:
-            self._clock = now
-            self._collectives_mark = self.meter.collectives()
+        window = self._window.close()
         record = {
             "rank": self.rank,
             "step": step + 1,
@@ -307,19 +276,6 @@ class RankZeroLogger(TrainCallback):
                 "%s: worker %d cannot send its figures to worker 0 (%s)", self.NAME, self.rank, error
             )
             self._mailbox = None
-
-    def _add_collectives(self, window: Window) -> None:
-        if self._collectives_mark is None:
-            return
-        seconds = self.meter.collectives().since(self._collectives_mark).total_seconds
-        window.collective_seconds = (window.collective_seconds or 0.0) + seconds
-        self._collectives_mark = None
-
-    def _stop_clock(self) -> None:
-        if self._clock is not None:
-            self._seconds += time.perf_counter() - self._clock
-            self._clock = None
-            self._add_collectives(self._window)
 
     def _current_lr(self) -> Optional[float]:
         optimizer = getattr(self.training_engine, "optimizer", None)
