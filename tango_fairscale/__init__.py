@@ -13,7 +13,7 @@ Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fai
 under ``include_package`` in ``tango.yml``.
 """
 
-from . import checkpointing, compat
+from . import checkpointing, compat, train_step
 from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
@@ -24,8 +24,9 @@ from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
 # Every change to FairScale, Tango and torch is made by tango_fairscale.compat, and only when
-# asked: this installs what every process needs (the step patch and the checkpoint fix).
-compat.install()
+# asked: this installs what every process needs, routing Tango's step and worker functions to
+# the step's logic (tango_fairscale.train_step).
+compat.install(train_step.run_step, train_step.run_worker)
 
 __all__ = [
     "CheckpointError",

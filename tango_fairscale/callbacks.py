@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
 from . import throughput
+from .checkpointing import random_state
 from .cpu.timing import CollectiveTotals
 
 __all__ = ["MemoryCallback", "WorkerStats", "format_summary", "peak_memory_mib"]
@@ -387,8 +388,6 @@ class RestoreRandomState(TrainCallback):
     """
 
     def pre_train_loop(self) -> None:
-        from .checkpointing import random_state
-
         state = getattr(self.training_engine, "loaded_random_state", None)
         if state is not None:
             random_state.restore(state)

@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from . import checkpointing, consolidation
 from .errors import CheckpointError
+from .metrics import METRIC_KINDS, METRICS_FILE_NAME, metric_keys, plot_metrics, read_metrics
+from .plan import make_plan, render
 
 TRAIN_STEP_TYPE = "torch::train"
 
@@ -262,8 +264,6 @@ def plan_command(
     """
     import json
 
-    from .plan import make_plan, render
-
     # The arguments that need nothing loaded are checked first: a typo costs no model build.
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
@@ -296,8 +296,6 @@ def find_metrics_file(source: Path) -> Path:
     The metrics file of ``source``: the file itself, or ``metrics.jsonl`` in a work directory
     (or in its ``work`` subdirectory, for a step's directory such as ``WORKSPACE/latest/train``).
     """
-    from .metrics import METRICS_FILE_NAME
-
     if not source.exists():
         raise UsageError(f"{source} does not exist")
     if source.is_file():
@@ -320,8 +318,6 @@ def _short_name(metrics_file: Path) -> str:
 
 def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> None:
     """Draw the metrics log of ``source`` (a work directory or a metrics file) into a PNG file."""
-    from .metrics import METRIC_KINDS, metric_keys, plot_metrics, read_metrics
-
     # The arguments that need no file read are checked first.
     if output is not None:
         if output.is_dir():

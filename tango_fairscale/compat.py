@@ -1,7 +1,9 @@
 """
 The integration boundary: every change this package makes to FairScale, Tango or torch.
 
-Nothing here happens at import. Each patch is installed explicitly, by one function, which
+Nothing here happens at import, and nothing here is the package's logic: T1 and T2 route Tango's
+step and worker functions to :mod:`tango_fairscale.train_step`, which :func:`install` is given.
+Each patch is installed explicitly, by one function, which
 first checks the version of the library it patches and that every attribute it rebinds is
 there, and refuses with an error naming both otherwise:
 
@@ -18,10 +20,10 @@ The patches, with the reason for each (``docs/architecture.md`` has the same lis
 
 F1. ``fairscale.nn.data_parallel.fully_sharded_data_parallel.torch`` becomes a stand-in whose
     ``cuda`` attribute answers the stream calls with no-op CPU streams
-    (:mod:`tango_fairscale.cpu.streams`). FairScale's FSDP overlaps communication on CUDA streams
-    and never checks that CUDA is there (FairScale has no CPU path; PyTorch's FSDP needed the same
-    no-op streams for CPU training, pytorch/pytorch#106099). Every other attribute, and
-    ``torch.cuda`` anywhere else, is the real thing.
+    (:mod:`tango_fairscale.backends.fairscale_fsdp.cpu_streams`). FairScale's FSDP overlaps
+    communication on CUDA streams and never checks that CUDA is there (FairScale has no CPU path;
+    PyTorch's FSDP needed the same no-op streams for CPU training, pytorch/pytorch#106099). Every
+    other attribute, and ``torch.cuda`` anywhere else, is the real thing.
 F2. ``aten::record_stream`` gets a no-op CPU kernel. It has none, and FairScale calls it on
     every gathered buffer; on a CPU it has nothing to protect.
 F3. FairScale's ``enable_nccl_base_collectives`` flag (its ``ENABLE_NCCL_BASE_COLLECTIVES=0``
@@ -85,8 +87,14 @@ T3. ``tango.common.registrable.import_module_and_submodules``, as Tango's regist
 T4. ``torch.multiprocessing.spawn.ProcessContext.join`` gets a grace period of
     :data:`SPAWN_GRACE_SECONDS` when called without one (as Tango's step does): after a worker
     fails, a worker that ignores SIGTERM (stopped, or hung in C++) is killed 10 s later, not 30.
+T5. ``TrainConfig.is_distributed`` of the worker's config, while Tango's engine constructor runs
+    (:func:`process_group_already_started`): the engine started the process group with a timeout.
 W1. A warnings filter (no rebinding): torch's ``TypedStorage`` deprecation warning, when
     FairScale's code triggers it.
+W2. A warnings filter: torch's "None of the inputs have requires_grad=True", raised from
+    FairScale's checkpoint wrapper, where it is false.
+D1. DCP's private ``DefaultSavePlanner._dedup_save_plans`` and ``_create_global_plan``, which the
+    torch backend's per-host planner overrides: checked (:func:`check_dcp_planner_overrides`).
 P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registration` is active
     in any thread: parameters registered by a thread inside
     :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
@@ -100,15 +108,14 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .backends.fairscale_fsdp.cpu_streams import NullStream, TorchWithCpuStreams, noop_record_stream
 from .cpu.collectives import GlooCollectives
-from .cpu.streams import NullStream, TorchWithCpuStreams, noop_record_stream
-from .teardown import close_process_groups
 
 logger = logging.getLogger(__name__)
 
@@ -249,123 +256,28 @@ def _install_root_input_cast() -> None:
 
 # --- T1, T2: Tango's torch::train step and its workers ----------------------------------------------
 
-PACKAGE = "tango_fairscale"
-#: ``torch::train``'s default ``distributed_port``.
-TANGO_DEFAULT_PORT = 54761
-
-
-def _train_across_hosts(
-    step: Any, launch: Any, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Any:
-    """T1 (d): run the step as this host's part of a launch across hosts (see :mod:`.launch`)."""
-    from . import launch as launching
-
-    devices = kwargs["devices"]
-    timeout = launching.seconds_from_environment(
-        os.environ, launching.RENDEZVOUS_TIMEOUT_VARIABLE, launching.DEFAULT_RENDEZVOUS_TIMEOUT
-    )
-    with launching.host_rendezvous(
-        launch, step_id=step.unique_id, work_dir=step.work_dir, device_count=len(devices), timeout=timeout
-    ) as session:
-        world = session.world
-        interface = launching.socket_interface_environment(
-            os.environ, world.hosts[world.node_rank].address, launching.interface_addresses()
-        )
-        if not interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            logger.warning(
-                "No network interface here has address %s (the one that reaches MASTER_ADDR %s): gloo "
-                "picks one from the host name. Set GLOO_SOCKET_IFNAME if the hosts cannot connect.",
-                world.hosts[world.node_rank].address,
-                launch.master_addr,
-            )
-        updates = {
-            launching.WORLD_VARIABLE: world.to_json(),
-            launching.AGENT_STORE_VARIABLE: str(True),
-            **interface,
-        }
-        with launching.environment(updates), launching.stop_workers_on_signals():
-            try:
-                return original(step, *args, **kwargs)
-            except Exception as error:
-                # The error of the host where it started (lost, or failed first), if not this one.
-                origin = session.failure(error)
-                if origin is not None:
-                    raise origin from error
-                raise
+#: What the rebound step and worker functions call: the step's logic, plain code that
+#: :func:`install` is given (:mod:`tango_fairscale.train_step`), so that this module imports none of it.
+StepLogic = Callable[..., Any]
+_step_logic: Optional[StepLogic] = None
+_worker_logic: Optional[StepLogic] = None
 
 
 def _wrap_train_step() -> None:
-    from tango.common import util as tango_util
+    """T1 and T2: Tango's step and worker functions call the step's logic, with the originals."""
     from tango.integrations.torch import train as tango_train
 
     _require_attributes(tango_train, ("TorchTrainStep", "_train"), "T1/T2")
     _require_attributes(tango_train.TorchTrainStep, ("_train",), "T1")
-    _require_attributes(tango_util, ("get_extra_imported_modules",), "T1")
     step_class = tango_train.TorchTrainStep
     original: Callable[..., Any] = step_class._train
     if getattr(original, "_tango_fairscale", False):
         return
 
     @functools.wraps(original)
-    def _train(
-        self: Any, model: Any, training_engine: Any, dataset_dict: Any, train_dataloader: Any, **kwargs: Any
-    ) -> Any:
-        from tango.common import Lazy
-        from tango.common.exceptions import ConfigurationError
-
-        from .launch import detect_launch, rendezvous_store, stop_workers_on_signals
-        from .preflight import preflight, uses_fairscale_engine
-        from .step_result import FinalModelOnMeta, finish_result
-
-        # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
-        tango_util.get_extra_imported_modules().add(PACKAGE)
-        on_fairscale = uses_fairscale_engine(training_engine)
-        if on_fairscale:
-            kwargs["callbacks"] = _with_engine_callbacks(kwargs.get("callbacks"))
-        args = (model, training_engine, dataset_dict, train_dataloader)
-        devices = kwargs.get("devices")
-        distributed = bool(devices and len(devices) > 1)
-        launch = detect_launch(os.environ) if distributed else None
-        if launch is not None and not on_fairscale:
-            raise ConfigurationError(
-                f"tango runs under {launch.launcher} as host {launch.node_rank} of {launch.num_nodes}, "
-                f'but step {self.name!r} does not use the "fairscale" training engine: training across '
-                "hosts is what that engine adds. Use it, or run without the launcher (or with "
-                "TANGO_FAIRSCALE_MULTIHOST=0, to train on each host separately)."
-            )
-        if on_fairscale:
-            # (b) Across hosts, the world the data is split over is every host's workers.
-            world: Dict[str, Any] = (
-                {"devices": list(devices) * launch.num_nodes, "hosts": launch.num_nodes}
-                if launch is not None and devices
-                else {}
-            )
-            preflight(
-                model=model,
-                training_engine=training_engine,
-                dataset_dict=dataset_dict,
-                train_dataloader=train_dataloader,
-                work_dir=self.work_dir,
-                **{**kwargs, **world},
-            )
-        if not distributed:
-            return original(self, *args, **kwargs)
-        if on_fairscale and isinstance(model, Lazy):
-            # (f) The final model in this process: on meta, the weights assigned, not copied.
-            args = (FinalModelOnMeta(model), *args[1:])
-        if launch is not None:
-            return finish_result(_train_across_hosts(self, launch, original, args, kwargs))
-        # (c) Served from this process for the life of the step (see tango_fairscale.launch).
-        configured = getattr(self, "_config", None) or {}
-        with (
-            rendezvous_store(
-                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-                set_in_config="distributed_port" in configured,
-            ) as port,
-            stop_workers_on_signals(),
-        ):
-            kwargs["distributed_port"] = port
-            return finish_result(original(self, *args, **kwargs))
+    def _train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert _step_logic is not None  # set by install() before this is bound
+        return _step_logic(original, self, *args, **kwargs)
 
     _train._tango_fairscale = True  # type: ignore[attr-defined]
     step_class._train = _train  # type: ignore[method-assign]
@@ -382,45 +294,55 @@ _original_train_worker: Optional[Callable[..., Any]] = None
 
 
 def _train_worker(process_index: int, workspace: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
-    """
-    T2: Tango's worker function (``tango.integrations.torch.train._train``), which ``mp.spawn``
-    runs with the index of the process on this host. Distributed workers die with the process that
-    spawned them. In a launch across hosts the index becomes the global rank, and the worker's
-    ``TrainConfig`` the global one (:func:`tango_fairscale.launch.worker_train_config`). A worker
-    that finished destroys its process group before it exits.
-    """
-    from . import launch as launching
-
+    """T2: Tango's worker function (``tango.integrations.torch.train._train``), which ``mp.spawn`` runs."""
     original = _original_train_worker
     if original is None:  # T2 not installed in this process: Tango's own function is still there
         from tango.integrations.torch import train as tango_train
 
         original = tango_train._train
-    world = launching.HostWorld.from_environment(os.environ)
-    if getattr(config, "is_distributed", False):
-        launching.die_with_parent()
-    if world is None or not getattr(config, "is_distributed", False):
-        result = original(process_index, workspace, config, *args, **kwargs)
-    else:
-        os.environ.update(launching.worker_environment(world, process_index))
-        host_config = launching.worker_train_config(config, world)
-        result = original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
-    # Tango leaves the process group to interpreter shutdown, where a gloo thread finishing the
-    # last collective could ask for the GIL and abort the worker (SIGABRT) after everything was
-    # written: see tango_fairscale.teardown. Only on success: a worker that raised may have a peer
-    # inside a collective with it, and its error must reach the main process without waiting.
-    close_process_groups()
-    return result
+    assert _worker_logic is not None  # the worker imported tango_fairscale, which installed it
+    return _worker_logic(original, process_index, workspace, config, *args, **kwargs)
+
+
+def extra_imported_modules() -> Any:
+    """T1 (a): the set of modules Tango re-imports in its spawned workers (Tango's own object)."""
+    from tango.common import util as tango_util
+
+    _require_attributes(tango_util, ("get_extra_imported_modules",), "T1")
+    return tango_util.get_extra_imported_modules()
+
+
+@contextmanager
+def process_group_already_started(config: Any) -> Iterator[None]:
+    """
+    T5: while Tango's engine constructor runs. It starts the process group itself when the config
+    is distributed (with no timeout); the engine has started it already, with one, and a second
+    start is an error. So the constructor sees the config as not distributed: nothing else in it
+    reads the flag (checked against ai2-tango 1.3's ``TorchTrainingEngine.__init__``).
+    """
+    _require_attributes(config, ("is_distributed",), "T5")
+    distributed = config.is_distributed
+    config.is_distributed = False
+    try:
+        yield
+    finally:
+        config.is_distributed = distributed
 
 
 _install_lock = threading.Lock()
 _installed = False
 
 
-def install() -> None:
-    """Install the patches every process needs (T1, T2, F5, F6), once; ``import tango_fairscale`` calls it."""
-    global _installed
+def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
+    """
+    Install the patches every process needs (T1-T4, F5, F6, W1, W2), once; ``import
+    tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
+    the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
+    (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
+    """
+    global _installed, _step_logic, _worker_logic
     with _install_lock:
+        _step_logic, _worker_logic = step_logic, worker_logic
         if _installed:
             return
         for distribution in CHECKED_VERSIONS:
@@ -430,7 +352,7 @@ def install() -> None:
         _wrap_train_step()
         _quiet_integration_search()
         _bound_spawn_grace()
-        _silence_internal_warnings()
+        silence_internal_warnings()
         _installed = True
 
 
@@ -556,32 +478,6 @@ def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], N
                 nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]
 
 
-def _with_engine_callbacks(callbacks: Any) -> List[Any]:
-    """
-    T1 (e): the callbacks every step on the engine gets, after the config's own (Tango pairs saved
-    callback states with callbacks by position): the per-step metrics log, unless the config has
-    one, and the restoring of the random generators on resume.
-    """
-    from tango.common import Lazy
-
-    from .callbacks import RestoreRandomState
-    from .metrics import MetricsLog
-
-    callbacks = list(callbacks or [])
-    has_metrics = any(
-        isinstance(callback, Lazy)
-        and (
-            getattr(callback, "_constructor", None) is MetricsLog
-            or getattr(callback, "_params", {}).get("type") == "fairscale::metrics"  # type: ignore[union-attr]
-        )
-        for callback in callbacks
-    )
-    if not has_metrics:
-        callbacks.append(Lazy(MetricsLog))
-    callbacks.append(Lazy(RestoreRandomState))
-    return callbacks
-
-
 # --- T3: Tango's search for a registered name ---------------------------------------------------------
 
 
@@ -620,7 +516,7 @@ def _quiet_integration_search() -> None:
 # --- W1: a warning about FairScale's internals ---------------------------------------------------------
 
 
-def _silence_internal_warnings() -> None:
+def silence_internal_warnings() -> None:
     """
     FairScale calls ``Tensor.storage()``, and torch warns once per process that ``TypedStorage``
     is deprecated: one line per worker, every run, about FairScale's internals, nothing a user
@@ -631,6 +527,37 @@ def _silence_internal_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message="TypedStorage is deprecated", category=UserWarning, module=r"fairscale\."
     )
+    # FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
+    # call, so the block's parameters always get gradients, but it still runs torch's input
+    # check, which warns "Gradients will be None" whenever the block's own inputs do not require
+    # grad (e.g. the first block after the embedding of integer token ids). The warning is false
+    # there; silenced for warnings raised from that one FairScale module only.
+    warnings.filterwarnings(
+        "ignore",
+        message="None of the inputs have requires_grad=True",
+        category=UserWarning,
+        module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
+    )
+
+
+# --- D1: DCP's save planner, overridden by the torch backend -----------------------------------------
+
+
+def check_dcp_planner_overrides(planner_class: Any) -> None:
+    """
+    D1: the torch backend's per-host save planner overrides two private methods of DCP's
+    ``DefaultSavePlanner`` (``_dedup_save_plans``, ``_create_global_plan``): no rebinding, but a
+    dependency on torch internals, so checked like one: torch's version, and that both methods
+    are still there to override. Called when the torch backend's checkpoint module is imported.
+    """
+    check_version("torch")
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    _require_attributes(DefaultSavePlanner, ("_dedup_save_plans", "_create_global_plan"), "D1")
+    if not issubclass(planner_class, DefaultSavePlanner):
+        raise IncompatibleVersionError(
+            f"{planner_class.__name__} must subclass DCP's DefaultSavePlanner (D1)."
+        )
 
 
 # --- T4: how long Tango's step waits for workers after one failed ---------------------------------------

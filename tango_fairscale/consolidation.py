@@ -1,8 +1,7 @@
 """
-One full state dict from a checkpoint of either backend: FairScale's flat shards
-(:mod:`tango_fairscale.checkpointing`) or PyTorch FSDP2's DCP files
-(:mod:`tango_fairscale.backends.torch_fsdp_checkpoint`), told apart by the marker. Used by the
-engine for the step's ``weights.pt`` and by ``python -m tango_fairscale consolidate``.
+One full state dict from a checkpoint of either backend, told apart by its marker: the backend
+that wrote it (:mod:`tango_fairscale.backends`) reads it. Used by ``python -m tango_fairscale
+consolidate``; the engine's ``weights.pt`` goes through its own backend directly.
 
 The model alone is written one tensor at a time (:func:`model_source`, :func:`save_model`): the
 shards are mapped, not read into private memory, and each full tensor is built, written and
@@ -10,28 +9,18 @@ dropped before the next, so consolidating needs the largest tensor's memory, not
 """
 
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Protocol, Sequence
-
-import torch
+from typing import Any, Callable, Dict, Mapping, Optional, Type
 
 from . import checkpointing
+from .backends.base import Backend, ModelSource
+from .backends.lookup import backend_class
 from .checkpointing.formats import is_torch_checkpoint
-from .checkpointing.resharding import ConsolidatedModel
-from .checkpointing.streaming import TensorEntry, stream_save
+from .checkpointing.streaming import stream_save
 
 
-class ModelSource(Protocol):
-    """A consolidated model state dict, one tensor at a time (either backend's checkpoint)."""
-
-    @property
-    def entries(self) -> Sequence[TensorEntry]: ...
-
-    def produce(self, entry: TensorEntry) -> torch.Tensor: ...
-
-
-def fairscale_model_source(shards: Sequence[Dict[str, Any]]) -> ModelSource:
-    """The model of FairScale model files (``{"weights", "metadata", ...}``, one per worker)."""
-    return ConsolidatedModel(list(shards))
+def backend_of(marker: Mapping[str, Any]) -> Type[Backend]:
+    """The backend that wrote the checkpoint whose marker this is."""
+    return backend_class("torch" if is_torch_checkpoint(marker) else "fairscale")
 
 
 def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
@@ -40,19 +29,7 @@ def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
     by :func:`save_model`. Every file is checked against the marker first (SHA-256 with ``hashes``).
     """
     marker = checkpointing.require_complete(checkpoint_dir)
-    if is_torch_checkpoint(marker):
-        # Here, not at the top: the fairscale path does without DCP's imports (a second each).
-        from .backends.torch_fsdp_checkpoint import dcp_model_source
-
-        return dcp_model_source(checkpoint_dir, hashes=hashes)
-    shards = [
-        # Mapped and shared: the pages are the page cache's, not this process's private memory.
-        checkpointing.read_worker_state(
-            checkpoint_dir, marker, worker, "model", mmap=True, shared=True, hashes=hashes
-        )
-        for worker in range(marker["world_size"])
-    ]
-    return fairscale_model_source(shards)
+    return backend_of(marker).model_source(checkpoint_dir, hashes=hashes)
 
 
 def save_model(source: ModelSource, path: Path, *, progress: Optional[Callable[[], None]] = None) -> None:
@@ -74,35 +51,10 @@ def consolidate(
     name. Every file is checked against the marker before it is read. ``progress`` is called once
     per file read.
     """
-    # Here, not at the top: the fairscale path does without DCP's imports (a second each).
-    from .backends.torch_fsdp_checkpoint import consolidate_dcp
-
     marker = checkpointing.require_complete(checkpoint_dir)
-    if is_torch_checkpoint(marker):
-        # DCP reads every worker's file in one call.
-        result = consolidate_dcp(checkpoint_dir, with_optimizer=with_optimizer)
-        if progress is not None:
-            progress()
-        return result
-    kinds = ["model", "optimizer"] if with_optimizer else ["model"]
-    loaded: Dict[str, Any] = {kind: [] for kind in kinds}
-    for kind in kinds:
-        for worker in range(marker["world_size"]):
-            # Checked against the marker's sizes and hashes and the file's own header.
-            loaded[kind].append(checkpointing.read_worker_state(checkpoint_dir, marker, worker, kind))
-            if progress is not None:
-                progress()
-    model_state: Dict[str, torch.Tensor] = checkpointing.consolidate_model_state(loaded["model"])
-    if not with_optimizer:
-        return model_state
-    return {
-        "model": model_state,
-        "optimizer": checkpointing.consolidate_optimizer_state(loaded["model"], loaded["optimizer"]),
-    }
+    return backend_of(marker).consolidate(checkpoint_dir, with_optimizer=with_optimizer, progress=progress)
 
 
 def files_to_read(marker: Dict[str, Any], with_optimizer: bool) -> int:
     """How many calls of ``progress`` :func:`consolidate` will make."""
-    if is_torch_checkpoint(marker):
-        return 1
-    return marker["world_size"] * (2 if with_optimizer else 1)
+    return backend_of(marker).files_to_read(marker, with_optimizer)

@@ -57,7 +57,10 @@ def _scalar(value: Any) -> Optional[float]:
     if isinstance(value, torch.Tensor):
         return float(value.detach().float().item()) if value.numel() == 1 else None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float's range (a hostile or corrupt line)
+            return None
     return None
 
 
@@ -415,7 +418,8 @@ def read_metrics(path: Path) -> Tuple[List[Dict[str, Any]], int]:
         except json.JSONDecodeError:
             skipped += 1
             continue
-        if isinstance(line, dict) and isinstance(line.get("step"), (int, float)):
+        step = _scalar(line.get("step")) if isinstance(line, dict) else None
+        if step is not None and math.isfinite(step):
             lines.append(line)
         else:
             skipped += 1

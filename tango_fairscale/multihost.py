@@ -69,6 +69,32 @@ def part_description(world: HostWorld) -> Dict[str, Any]:
     }
 
 
+def complete_part(checkpoint_dir: Path, world: HostWorld, fields: Dict[str, Any]) -> None:
+    """
+    On a host's leader, before its marker is written (every worker's files are on disk): link in
+    the other hosts' files it can read (:func:`link_other_hosts_files`) and describe its part in
+    the marker's ``fields``.
+    """
+    link_other_hosts_files(checkpoint_dir, world, fields)
+    fields.update(part_description(world))
+
+
+def explain_part(error: Exception, checkpoint_dir: Path) -> Exception:
+    """``error``, saying how to resume a checkpoint when it is a host's part of one across hosts."""
+    try:
+        marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
+    except CheckpointError:
+        marker = None
+    part = describe_part(marker) if marker is not None else None
+    if part is None:
+        return error
+    return CheckpointError(
+        f"{error} It is {part}: resume it with the same hosts and device_count, or copy every "
+        "host's worker files of it (worker*.pt, and dcp/ for the torch backend) into one directory "
+        "to resume it elsewhere (on a shared filesystem each host's checkpoints are complete already)."
+    )
+
+
 def step_of(path: Path) -> Optional[int]:
     """N for a ``checkpoint_state_stepN`` directory (or a link's target of that name), else ``None``."""
     match = _STEP_DIRECTORY.fullmatch(Path(path).name)
@@ -186,7 +212,7 @@ def gather_model_shards(
                     hashes=hashes and not sent,
                 )
             )
-    if world.global_rank(0) == 0:
+    if world.node_rank == 0:
         logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
     return shards
 
@@ -250,7 +276,9 @@ def receive_missing_files(
         error = str(failure)
     digests = marker.get("digests") or {}
     files = {rank: name for rank in range(world_size) if (name := file_of(marker, rank)) is not None}
-    leaders = {node: world.global_rank(0, node) for node in range(world.num_nodes) if node != world.node_rank}
+    leaders = {
+        node: world.topology.leader_of(node) for node in range(world.num_nodes) if node != world.node_rank
+    }
     have = [rank not in files or (checkpoint_dir / files[rank]).is_file() for rank in range(world_size)]
     own_missing = [files[rank] for rank in world.ranks_of(world.node_rank) if not have[rank]]
     if own_missing:
@@ -340,7 +368,7 @@ def receive_missing_files(
 
 def _sender(world: HostWorld, rank: int) -> int:
     """The worker that sends worker ``rank``'s files: the first worker of its host."""
-    return world.global_rank(0, world.node_of(rank))
+    return world.topology.leader_of(world.node_of(rank))
 
 
 def _agree_among_leaders(world: HostWorld, leaders: Mapping[int, int], error: Optional[str]) -> None:

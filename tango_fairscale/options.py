@@ -4,13 +4,16 @@ constructor (so Python use gets them too) and pre-flight applies them from the c
 main process, before any worker starts, with the same messages.
 """
 
+import dataclasses
 import logging
 import warnings
-from typing import Any, Optional
+from typing import Any, List, Mapping, Optional
 
 import torch
+from tango.common import Params
 from tango.common.exceptions import ConfigurationError
 
+from .backends.lookup import BACKENDS, DEFAULT_BACKEND, backend_class
 from .config import FSDPConfig
 
 logger = logging.getLogger(__name__)
@@ -28,20 +31,101 @@ def check_distributed(distributed: bool, device_count: int) -> None:
         )
 
 
-#: The sharding backends: FairScale's FSDP, and PyTorch's own FSDP2 (``fully_shard``).
-BACKENDS = ("fairscale", "torch")
-
-
 def check_backend(
     backend: Any, fsdp_config: Optional[FSDPConfig], where: str = f"{_PREFIX}fsdp_config"
 ) -> None:
     """The backend's name, and every ``fsdp_config`` field that the backend cannot honour."""
     if backend not in BACKENDS:
         raise ConfigurationError(f"{_PREFIX}backend: must be one of {list(BACKENDS)}, got {backend!r}.")
-    if backend == "torch" and fsdp_config is not None:
-        from .backends.torch_fsdp import check_options
+    if fsdp_config is not None:
+        backend_class(backend).check_options(fsdp_config, where)
 
-        check_options(fsdp_config, where=where)
+
+#: Seconds a collective (or the process group's rendezvous) may wait for the other workers.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """
+    The ``"fairscale"`` engine's own options (those a config gives under ``training_engine``),
+    their defaults written once: the engine's signature takes its defaults from here, and
+    pre-flight builds the same object from the config (:meth:`from_config`) to check it in
+    Tango's main process. :meth:`check` holds every rule on them. The meaning of each is in
+    :class:`~tango_fairscale.FairScaleTrainingEngine`'s docstring.
+    """
+
+    #: Automatic mixed precision.
+    amp: bool = False
+    #: Clip the gradients to this total norm, computed across all shards.
+    max_grad_norm: Optional[float] = None
+    #: bfloat16 rather than float16 under AMP (default: bfloat16 on CPU, float16 on GPU).
+    amp_use_bfloat16: Optional[bool] = None
+    #: The root unit's FSDP options.
+    fsdp_config: Optional[FSDPConfig] = None
+    #: A checkpoint (or a step's work directory) to start from when the step has none of its own.
+    resume_from_checkpoint: Optional[str] = None
+    #: Build on ``meta`` and allocate each unit right before sharding it.
+    init_on_meta: bool = False
+    #: Seconds any collective may wait for the other workers.
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    #: Check every checkpoint file's SHA-256 before resuming from it.
+    verify_checkpoints: bool = True
+    #: The FSDP implementation (:data:`~tango_fairscale.backends.lookup.BACKENDS`).
+    backend: str = DEFAULT_BACKEND
+    #: Reduce-scatter once per optimizer step under ``grad_accum`` (FSDP's ``no_sync``).
+    accumulate_grads_locally: bool = False
+    #: Shard within each host, replicate across hosts (torch backend).
+    hybrid_sharding: bool = False
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_config(cls, engine: Mapping[str, Any]) -> "EngineOptions":
+        """The options of a ``training_engine`` config (its other keys, such as ``type``, ignored)."""
+        values = {name: engine[name] for name in cls.field_names() if name in engine}
+        if values.get("fsdp_config") is not None:
+            values["fsdp_config"] = FSDPConfig.from_params(Params(dict(values["fsdp_config"])))
+        return cls(**values)
+
+    def check(
+        self, *, distributed: bool, device_count: int, on_cpu: bool, hosts: int = 1, warn: bool = True
+    ) -> None:
+        """
+        Raise a :class:`ConfigurationError` naming the field for options that cannot work, and (with
+        ``warn``) warn about those that run but are likely mistakes.
+        """
+        check_engine_options(
+            distributed=distributed,
+            device_count=device_count,
+            on_cpu=on_cpu,
+            amp=self.amp,
+            amp_use_bfloat16=self.amp_use_bfloat16,
+            max_grad_norm=self.max_grad_norm,
+            fsdp_config=self.fsdp_config,
+            backend=self.backend,
+            accumulate_grads_locally=self.accumulate_grads_locally,
+            hybrid_sharding=self.hybrid_sharding,
+            hosts=hosts,
+            warn=warn,
+        )
+        for name in ("init_on_meta", "verify_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")
+        timeout = self.collective_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ConfigurationError(
+                f"{_PREFIX}collective_timeout: must be a number of seconds, got {timeout!r}."
+            )
+        if not timeout > 0:
+            raise ConfigurationError(f"{_PREFIX}collective_timeout: must be positive, got {timeout!r}.")
+        if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, str):
+            raise ConfigurationError(
+                f"{_PREFIX}resume_from_checkpoint: expected a path, got {self.resume_from_checkpoint!r}."
+            )
 
 
 def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:
@@ -60,7 +144,7 @@ def check_engine_options(
     amp_use_bfloat16: Any = None,
     max_grad_norm: Any = None,
     fsdp_config: Optional[FSDPConfig] = None,
-    backend: Any = "fairscale",
+    backend: Any = DEFAULT_BACKEND,
     accumulate_grads_locally: Any = False,
     hybrid_sharding: Any = False,
     hosts: int = 1,
@@ -80,9 +164,9 @@ def check_engine_options(
     ):
         if value is not None and not isinstance(value, bool):
             raise ConfigurationError(f"{_PREFIX}{name}: expected true or false, got {value!r}.")
-    if hybrid_sharding and backend != "torch":
+    if hybrid_sharding and not backend_class(backend).supports_hybrid_sharding:
         raise ConfigurationError(
-            f'{_PREFIX}hybrid_sharding: true needs backend: "torch" (FairScale\'s FSDP shards across all '
+            f'{_PREFIX}hybrid_sharding: true needs backend: "torch" (the {backend} backend shards across all '
             'workers only). Set backend: "torch", or remove hybrid_sharding.'
         )
     if warn and hybrid_sharding and hosts == 1:

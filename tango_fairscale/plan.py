@@ -12,9 +12,11 @@ import torch
 import torch.nn as nn
 from tango.common import Params
 from tango.common.exceptions import ConfigurationError
-from tango.integrations.torch import Model, Optimizer
+from tango.integrations.torch import Model, Optimizer, TrainingEngine
 
 from .config import FSDPConfig, parse_dtype
+from .engine import FairScaleTrainingEngine
+from .materialize import check_initialisable, parameters_on_meta
 from .wrapping import WRAPPER_TYPE, WrapPlan
 
 #: Per-element optimizer state tensors kept by common optimizers (beyond the parameter itself).
@@ -59,6 +61,10 @@ class Plan:
     element_size: int
     compute_element_size: int
     built_on: str
+    #: The step's training engine; with one that does not shard (Tango's DDP ``"torch"``), every
+    #: worker holds every unit whole.
+    engine: str = "fairscale"
+    sharded: bool = True
 
     @property
     def units(self) -> List[Unit]:
@@ -129,6 +135,11 @@ def render(plan: Plan) -> str:
         "",
         f"{'FSDP unit':<52} {'parameters':>14} {'per worker':>14}  checkpointed",
     ]
+    if not plan.sharded:
+        lines[1:1] = [
+            f'The training engine "{plan.engine}" does not shard: every worker holds the whole model '
+            '(use the "fairscale" engine to shard it).'
+        ]
 
     def visit(unit: Unit, prefix: str, last: bool, depth: int) -> None:
         branch = "" if depth == 0 else ("└── " if last else "├── ")
@@ -179,7 +190,15 @@ def _build(model_params: Dict[str, Any]) -> "tuple[nn.Module, str]":
     except ConfigurationError:
         raise
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; CPU always works
+        pass
+    try:
         return Model.from_params(Params(dict(model_params))), "the CPU"
+    except ConfigurationError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's constructor: its error, on one line
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        name = model_params.get("type", "the model")
+        raise ConfigurationError(f"model: building {name!r} raised {type(error).__name__}: {first}") from None
 
 
 def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = None) -> Plan:
@@ -192,8 +211,6 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
     model, built_on = _build(model_config)
     engine = dict(step.get("training_engine", {}))
     if engine.get("init_on_meta"):
-        from .materialize import check_initialisable, parameters_on_meta
-
         with parameters_on_meta():
             check_initialisable(Model.from_params(Params(dict(model_config))))
 
@@ -215,6 +232,8 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
     world_size = world_size or int(step.get("device_count", 1))
     if world_size < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {world_size}")
+    engine_type = str(engine.get("type", "torch"))
+    sharded = _shards(engine_type)
     engine_fsdp = FSDPConfig.from_params(Params(dict(engine.get("fsdp_config") or {})))
     compute_dtype = parse_dtype("compute_dtype", engine_fsdp.compute_dtype) or (
         torch.float16 if engine_fsdp.mixed_precision else None
@@ -234,7 +253,7 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
             name=name,
             class_name=type(module).__name__,
             numel=numel,
-            shard_numel=math.ceil(numel / world_size),
+            shard_numel=math.ceil(numel / world_size) if sharded else numel,
             checkpointed=name in checkpointed,
         )
     # Nest each unit under its closest wrapped ancestor, children in module order.
@@ -258,4 +277,15 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
         if compute_dtype
         else element_size,
         built_on=built_on,
+        engine=engine_type,
+        sharded=sharded,
     )
+
+
+def _shards(engine_type: str) -> bool:
+    """Whether the engine registered as ``engine_type`` shards the model (this package's engine does)."""
+    try:
+        engine_class = TrainingEngine.resolve_class_name(engine_type)[0]
+    except Exception:  # noqa: BLE001 - an unknown name is Tango's error to report when the step runs
+        return True
+    return isinstance(engine_class, type) and issubclass(engine_class, FairScaleTrainingEngine)

@@ -25,10 +25,14 @@ from tango.integrations.torch import Sampler, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
+from .backends.lookup import DEFAULT_BACKEND, backend_class
+from .checkpointing.formats import check_written_by
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .options import BACKENDS, check_backend, check_engine_options
-from .wrapping import WRAPPER_TYPE, check_list_option
+from .engine import FairScaleTrainingEngine
+from .materialize import check_initialisable, parameters_on_meta
+from .options import EngineOptions, check_backend
+from .wrapping import WRAPPER_TYPE, check_list_option, deferred_wrapping, recorded_plan, require_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,6 @@ def _params_of(lazy: Any) -> Dict[str, Any]:
 
 
 def uses_fairscale_engine(training_engine: Any) -> bool:
-    from .engine import FairScaleTrainingEngine
-
     type_name = _params_of(training_engine).get("type")
     if not isinstance(type_name, str):
         return False
@@ -60,43 +62,28 @@ def check_engine(
     work_dir: Optional[Path] = None,
     on_cpu: bool = False,
     hosts: int = 1,
-) -> Optional[FSDPConfig]:
+) -> EngineOptions:
     """
     Validate the engine's options for ``device_count`` workers on each of ``hosts`` hosts (on
-    CPU workers with ``on_cpu``); return its FSDP config (if given).
+    CPU workers with ``on_cpu``); return them.
     """
-    fsdp_config = None
-    if engine.get("fsdp_config") is not None:
-        fsdp_config = FSDPConfig.from_params(Params(dict(engine["fsdp_config"])))
+    options = EngineOptions.from_config(engine)
     # Warnings come from the engine, on worker 0, so that they are printed once.
-    check_engine_options(
-        distributed=device_count >= 2,
-        device_count=device_count,
-        on_cpu=on_cpu,
-        amp=engine.get("amp", False),
-        amp_use_bfloat16=engine.get("amp_use_bfloat16"),
-        max_grad_norm=engine.get("max_grad_norm"),
-        fsdp_config=fsdp_config,
-        backend=engine.get("backend", "fairscale"),
-        accumulate_grads_locally=engine.get("accumulate_grads_locally", False),
-        hybrid_sharding=engine.get("hybrid_sharding", False),
-        hosts=hosts,
-        warn=False,
+    options.check(
+        distributed=device_count >= 2, device_count=device_count, on_cpu=on_cpu, hosts=hosts, warn=False
     )
-    source = engine.get("resume_from_checkpoint")
+    source = options.resume_from_checkpoint
     # A step with its own checkpoint resumes from that and ignores the source.
     has_own = work_dir is not None and (work_dir / "checkpoint_state_latest").exists()
     if source is not None and not has_own:
-        from .checkpointing.formats import check_written_by
-
         try:
             resolved = checkpointing.resolve_checkpoint(Path(str(source)))
             marker = checkpointing.read_marker(resolved)
-            if marker is not None and engine.get("backend", "fairscale") in BACKENDS:
-                check_written_by(resolved, marker, engine.get("backend", "fairscale"))
+            if marker is not None:
+                check_written_by(resolved, marker, options.backend)
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"training_engine.resume_from_checkpoint: {error}") from None
-    return fsdp_config
+    return options
 
 
 def check_sampler(dataloader: Dict[str, Any], dataset: Any, name: str) -> None:
@@ -144,10 +131,20 @@ def batches_per_worker(dataset_size: int, world_size: int, dataloader: Dict[str,
     return per_worker // batch_size if dataloader.get("drop_last", False) else -(-per_worker // batch_size)
 
 
-def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: str, world_size: int) -> None:
+def check_batches(
+    dataloader: Dict[str, Any],
+    dataset: Any,
+    split: str,
+    name: str,
+    world_size: int,
+    *,
+    training: bool = False,
+) -> None:
     """
     A loader that yields no batch on some worker makes ``torch::train`` loop over empty epochs
-    forever, at full CPU: refuse it, with the numbers that decide it.
+    forever, at full CPU: refuse it, with the numbers that decide it. With ``training``, so is a
+    loader whose every batch would be smaller than ``batch_size`` (each worker's share of the data
+    is smaller): the run would train on another batch size than the config's, silently.
     """
     if isinstance(dataset, IterableDataset):
         return
@@ -170,6 +167,15 @@ def check_batches(dataloader: Dict[str, Any], dataset: Any, split: str, name: st
             "never get a batch and training would never end. Use more data, fewer workers or a smaller "
             "batch_size."
         )
+    sampler = dataloader.get("sampler")
+    sampler_drops = isinstance(sampler, dict) and sampler.get("drop_last", False)
+    per_worker = size // world_size if sampler_drops else -(-size // world_size)
+    if training and per_worker < batch_size:
+        raise ConfigurationError(
+            f"{name}: split {split!r} has {size} example(s); split over world size {world_size}, each worker "
+            f"gets {per_worker}, fewer than batch_size {batch_size}, so every batch would hold {per_worker} "
+            f"examples, not {batch_size}. Use more data, fewer workers or a smaller batch_size."
+        )
 
 
 def check_model(
@@ -177,7 +183,7 @@ def check_model(
     engine_fsdp_config: Optional[FSDPConfig],
     amp: bool = False,
     init_on_meta: bool = False,
-    backend: str = "fairscale",
+    backend: str = DEFAULT_BACKEND,
 ) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
     config = _params_of(model) if isinstance(model, Lazy) else {}
@@ -188,11 +194,7 @@ def check_model(
             check_backend(
                 backend, FSDPConfig.from_params(Params(dict(config["fsdp_config"]))), "model.fsdp_config"
             )
-        if backend == "torch" and config.get("offload_activations"):
-            raise ConfigurationError(
-                "model.offload_activations: not supported by the torch backend (torch's checkpoint wrapper "
-                'has no activation offload); remove it or use backend: "fairscale".'
-            )
+        backend_class(backend).check_wrapper_options(config)
     if config.get("type") == WRAPPER_TYPE and config.get("fsdp_config") is not None:
         wrapper_fsdp_config = FSDPConfig.from_params(Params(dict(config["fsdp_config"])))
         engine_side = engine_fsdp_config or FSDPConfig()
@@ -223,16 +225,23 @@ def check_model(
                 stacklevel=2,
             )
     try:
-        with torch.device("meta"):
+        # The wrapper records its plan instead of wrapping (as for the torch backend's workers):
+        # the plan's checks run here, and nothing is wrapped in this process.
+        with torch.device("meta"), deferred_wrapping():
             built = model.construct() if isinstance(model, Lazy) else model
     except ConfigurationError:
         raise
     except Exception as error:  # noqa: BLE001 - a model that cannot be built on meta is checked in the workers
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
         return
-    if not any(True for _ in built.parameters()):
-        raise ConfigurationError(
-            f"The model ({type(built).__name__}) has no parameters: there is nothing to shard or train."
+    require_parameters(built)
+    plan, unit_config = recorded_plan(built)
+    if plan is not None and plan.fsdp and backend_class(backend).flattens_units:
+        root_config = engine_fsdp_config or FSDPConfig()
+        plan.check_uniform_requires_grad(
+            built,
+            units=(unit_config or FSDPConfig()).flatten_parameters,
+            root=root_config.flatten_parameters,
         )
     if init_on_meta and isinstance(model, Lazy):
         check_init_on_meta(model)
@@ -240,8 +249,6 @@ def check_model(
 
 def check_init_on_meta(model: Any) -> None:
     """Every parameter an ``init_on_meta`` build leaves unset, listed at once, before any worker starts."""
-    from .materialize import check_initialisable, parameters_on_meta
-
     with parameters_on_meta():
         built = model.construct()
     check_initialisable(built)
@@ -309,8 +316,8 @@ def _preflight(
     devices = list(devices or [])
     world_size = len(devices)
     check_counts(step_options)
-    fsdp_config = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts)
-    if engine.get("accumulate_grads_locally") is True and step_options.get("grad_accum", 1) == 1:
+    options = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts)
+    if options.accumulate_grads_locally is True and step_options.get("grad_accum", 1) == 1:
         warnings.warn(
             "training_engine.accumulate_grads_locally has no effect with grad_accum 1: every batch is the "
             "last micro-batch of its optimizer step. Set the step's grad_accum to accumulate.",
@@ -319,7 +326,9 @@ def _preflight(
         )
     train_loader = _params_of(train_dataloader)
     check_sampler(train_loader, dataset_dict[train_split], "train_dataloader")
-    check_batches(train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size)
+    check_batches(
+        train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size, training=True
+    )
     if validation_split is not None:
         loader = validation_dataloader if validation_dataloader is not None else train_dataloader
         name = (
@@ -331,8 +340,8 @@ def _preflight(
         check_batches(_params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
     check_model(
         model,
-        fsdp_config,
-        amp=bool(engine.get("amp", False)),
-        init_on_meta=bool(engine.get("init_on_meta", False)),
-        backend=engine.get("backend", "fairscale"),
+        options.fsdp_config,
+        amp=options.amp,
+        init_on_meta=options.init_on_meta,
+        backend=options.backend,
     )

@@ -8,7 +8,6 @@ import difflib
 import logging
 import re
 import threading
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Pattern, Sequence, Set, Tuple
@@ -55,23 +54,43 @@ def recorded_plan(model: nn.Module) -> "Tuple[Optional[WrapPlan], Optional[FSDPC
     return getattr(model, _RECORDED_PLAN, (None, None))
 
 
-def silence_false_gradients_warning() -> None:
-    """
-    FairScale's checkpoint wrapper feeds a tensor that requires grad into every checkpointed
-    call, so the block's parameters always get gradients, but it still runs torch's input
-    check, which warns "Gradients will be None" whenever the block's own inputs do not require
-    grad (e.g. the first block after the embedding of integer token ids). The warning is false
-    there; silence it for warnings raised from that one FairScale module only.
-    """
-    warnings.filterwarnings(
-        "ignore",
-        message="None of the inputs have requires_grad=True",
-        category=UserWarning,
-        module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
+def _unit_name(unit: str) -> str:
+    return f"FSDP unit {unit!r}" if unit else "the root FSDP unit"
+
+
+def _some(names: Sequence[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _parameter(model: nn.Module, path: str) -> nn.Parameter:
+    module_name, _, name = path.rpartition(".")
+    parameter: nn.Parameter = getattr(model.get_submodule(module_name) if module_name else model, name)
+    return parameter
+
+
+def refuse_mixed_requires_grad(unit: str, parameters: Iterable[Tuple[str, nn.Parameter]]) -> None:
+    """The error of :meth:`WrapPlan.check_uniform_requires_grad` for one unit's own ``(name, parameter)``s."""
+    groups: Dict[bool, List[str]] = {}
+    for name, parameter in parameters:
+        groups.setdefault(parameter.requires_grad, []).append(name)
+    if len(groups) < 2:
+        return
+    frozen, trainable = sorted(groups[False]), sorted(groups[True])
+    raise WrapConfigurationError(
+        f"with_wrapped_modules: {_unit_name(unit)} holds frozen parameters ({_some(frozen)}) and trainable "
+        f"ones ({_some(trainable)}); FairScale's FSDP flattens a unit's parameters into one tensor that is "
+        "all frozen or all trainable. Make the frozen modules units of their own (add them to "
+        "modules_to_wrap), set flatten_parameters: false in that unit's fsdp_config, or use "
+        'training_engine.backend: "torch".'
     )
 
 
-silence_false_gradients_warning()
+def require_parameters(model: nn.Module, where: str = "The model") -> None:
+    """The one check that a model has something to shard: ``where`` names it in the error."""
+    if not any(True for _ in model.parameters()):
+        raise WrapConfigurationError(
+            f"{where} ({type(model).__name__}) has no parameters: there is nothing to shard or train."
+        )
 
 
 def check_list_option(name: str, value: Any, what: str) -> None:
@@ -280,6 +299,53 @@ class WrapPlan:
         """The submodules that become FSDP units of their own (none without an ``fsdp_config``)."""
         return self.selected if self.fsdp else ()
 
+    def unit_of(self, module_name: str) -> str:
+        """The FSDP unit holding ``module_name``'s own parameters: the deepest around it, or root ``""``."""
+        units = [
+            unit for unit in self.fsdp_units if module_name == unit or module_name.startswith(unit + ".")
+        ]
+        return max(units, key=len, default="")
+
+    def _units_of_parameters(self, model: nn.Module) -> Dict[int, Dict[str, str]]:
+        """Each parameter (by id) -> its names, each with the unit that would hold it under that name."""
+        found: Dict[int, Dict[str, str]] = {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+                path = f"{module_name}.{name}" if module_name else name
+                found.setdefault(id(parameter), {})[path] = self.unit_of(module_name)
+        return found
+
+    def check_shared_parameters(self, model: nn.Module) -> None:
+        """
+        A parameter reached from two units (a tied embedding and output head, one module used in two
+        places) would be sharded by each unit as its own copy: the copies train apart and the tie is
+        silently broken. Refused, naming the parameter and the units.
+        """
+        for names in self._units_of_parameters(model).values():
+            units = sorted(set(names.values()))
+            if len(units) > 1:
+                described = ", ".join(f"{path} in {_unit_name(names[path])}" for path in sorted(names))
+                raise WrapConfigurationError(
+                    f"with_wrapped_modules: a parameter shared by several modules would be split across FSDP "
+                    f"units ({described}), which would untie it. Select a module that contains every use of "
+                    "it as one unit, or leave the modules that share it out of modules_to_wrap (the root "
+                    "unit then holds it once)."
+                )
+
+    def check_uniform_requires_grad(self, model: nn.Module, *, units: bool, root: bool) -> None:
+        """
+        FairScale's FSDP flattens each unit's parameters into one tensor, which is trainable or frozen
+        as a whole: a unit (with ``units``; the root with ``root``) that holds both is refused, naming
+        them, before FairScale fails with an assertion in every worker.
+        """
+        by_unit: Dict[str, List[Tuple[str, nn.Parameter]]] = {}
+        for names in self._units_of_parameters(model).values():
+            path, unit = min(names.items())
+            by_unit.setdefault(unit, []).append((path, _parameter(model, path)))
+        for unit, parameters in sorted(by_unit.items()):
+            if root if unit == "" else units:
+                refuse_mixed_requires_grad(unit, parameters)
+
 
 @register_model_constructor(WRAPPER_TYPE)
 def with_wrapped_modules(
@@ -340,11 +406,7 @@ def with_wrapped_modules(
         raise WrapConfigurationError(
             "with_wrapped_modules.offload_activations: true needs activation_checkpointing: true."
         )
-    if not list(model.parameters()):
-        raise WrapConfigurationError(
-            f"with_wrapped_modules: {type(model).__name__} has no parameters, so there is "
-            "nothing to shard or train."
-        )
+    require_parameters(model, "with_wrapped_modules: the model")
 
     plan = WrapPlan.build(
         model,
@@ -354,6 +416,8 @@ def with_wrapped_modules(
         activation_checkpointing=activation_checkpointing,
         fsdp=fsdp_config is not None,
     )
+    if plan.fsdp:
+        plan.check_shared_parameters(model)
     if getattr(_deferral, "active", False):
         if plan.checkpointed:
             _disable_hf_kv_cache(model)
@@ -363,6 +427,9 @@ def with_wrapped_modules(
     # The model Tango builds in the main process for the final weights has no process group:
     # it gets checkpointing only, and keeps the plain model's parameter names.
     use_fsdp = plan.fsdp and dist.is_available() and dist.is_initialized()
+    if use_fsdp:
+        assert fsdp_config is not None
+        plan.check_uniform_requires_grad(model, units=fsdp_config.flatten_parameters, root=False)
     selected, to_checkpoint = plan.selected, plan.checkpointed
     if to_checkpoint:
         _disable_hf_kv_cache(model)

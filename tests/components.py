@@ -100,20 +100,22 @@ class CrashInSave(FairScaleTrainingEngine):
 
     def __init__(self, *args: Any, crash_at_checkpoint: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.crash_at_checkpoint = crash_at_checkpoint
+        write_file = self.sharding.write_file  # type: ignore[attr-defined]
 
-    def _write_state(self, name: str, state: Any, path: Path, step: Any) -> Dict[str, Any]:
-        digest = super()._write_state(name, state, path, step)
-        crashed = self.train_config.work_dir / "crashed_once"
-        if (
-            name == "model"
-            and self.train_config.worker_id == 1
-            and path.parent.name == self.crash_at_checkpoint
-            and not crashed.exists()
-        ):
-            crashed.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return digest
+        def write_then_crash(checkpoint_dir: Path, name: str, state: Any, step: Any) -> Dict[str, Any]:
+            digest = write_file(checkpoint_dir, name, state, step)
+            crashed = self.train_config.work_dir / "crashed_once"
+            if (
+                name == "model"
+                and self.train_config.worker_id == 1
+                and checkpoint_dir.name == crash_at_checkpoint
+                and not crashed.exists()
+            ):
+                crashed.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return digest  # type: ignore[no-any-return]
+
+        self.sharding.write_file = write_then_crash  # type: ignore[attr-defined]
 
 
 @Model.register("test::no_parameters")
@@ -122,6 +124,15 @@ class NoParameters(Model):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"loss": (x.sum() - y.sum()) ** 2}
+
+
+@Model.register("test::raises_in_constructor")
+class RaisesInConstructor(Model):
+    """A model whose constructor fails, as a user's can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        raise ValueError("checkpoint file /nowhere/model.bin not found\nsecond line of the message")
 
 
 @Model.register("test::no_loss")
@@ -321,6 +332,30 @@ class FailOnce(TrainCallback):
             if self.train_config.is_distributed:
                 torch.distributed.barrier()
             raise RuntimeError(f"deliberate failure before step {step}")
+
+
+@TrainCallback.register("test::kill_once")
+class KillOnce(TrainCallback):
+    """
+    Kills every worker with SIGKILL before training step ``step`` (0-based), as ``kill -9`` of a
+    run between two checkpoints would, once: a marker file in the work directory remembers it, so
+    that re-running the same config resumes and finishes.
+    """
+
+    def __init__(self, *args: Any, step: int = 7, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = step
+        # Decided before training, so that worker 0 writing the marker cannot change worker 1's mind.
+        self.marker = self.train_config.work_dir / "killed_once"
+        self.kill = not self.marker.exists()
+
+    def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
+        if step == self.step and self.kill:
+            if self.is_local_main_process:
+                self.marker.touch()
+            # No worker dies before the marker is written; none is inside a collective after this.
+            torch.distributed.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @Model.register("test::dropout_regressor")

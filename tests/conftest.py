@@ -1,7 +1,7 @@
-"""Markers registered here in addition to those in pyproject.toml."""
+"""Markers registered here in addition to those in pyproject.toml, and the shared toy runs."""
 
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import pytest
 
@@ -17,6 +17,46 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: ``(engine, wrap, backend, grad_accum, accumulate_locally)``, the last three optional.
+ToyKey = Tuple[Any, ...]
+
+
+def toy_experiment(
+    engine: str,
+    wrap: str,
+    backend: Optional[str] = None,
+    grad_accum: int = 1,
+    accumulate_locally: bool = False,
+) -> Dict[str, Any]:
+    """:func:`tests.helpers.train_config` with those settings: what the shared toy runs train."""
+    from tests.helpers import train_config
+
+    extra: Dict[str, Any] = {}
+    if backend is not None:
+        extra["backend"] = backend
+    if accumulate_locally:
+        extra["accumulate_grads_locally"] = True
+    config = train_config(engine=engine, wrap=wrap, engine_extra=extra)
+    if grad_accum != 1:
+        config["steps"]["train"]["grad_accum"] = grad_accum
+    return config
+
+
+def _key(
+    engine: str,
+    wrap: str,
+    backend: Optional[str] = None,
+    grad_accum: int = 1,
+    accumulate_locally: bool = False,
+) -> ToyKey:
+    """The settings in full, so that one experiment is one key however it was asked for."""
+    return (engine, wrap, backend, grad_accum, accumulate_locally)
+
+
+def _name(key: ToyKey) -> str:
+    return "_".join(str(part) for part in key)
+
+
 ToyRun = Callable[..., Path]
 
 
@@ -24,33 +64,55 @@ ToyRun = Callable[..., Path]
 def toy_run(tmp_path_factory: pytest.TempPathFactory) -> ToyRun:
     """
     ``toy_run(engine, wrap, backend=None, grad_accum=1, accumulate_locally=False)``: the workspace
-    of a finished ``tango run`` of :func:`tests.helpers.train_config` with those settings, run once
-    per session and shared by the tests that compare runs (DDP, each FSDP backend, each wrapping).
+    of a finished ``tango run`` of :func:`toy_experiment` with those settings, run once per
+    session and shared by the tests that compare runs through the CLI.
     """
-    from tests.helpers import run_tango, train_config
+    from tests.helpers import run_tango
 
-    runs: Dict[Tuple[Any, ...], Path] = {}
+    runs: Dict[ToyKey, Path] = {}
 
-    def run(
-        engine: str,
-        wrap: str,
-        backend: Optional[str] = None,
-        grad_accum: int = 1,
-        accumulate_locally: bool = False,
-    ) -> Path:
-        key = (engine, wrap, backend, grad_accum, accumulate_locally)
+    def run(*args: Any, **kwargs: Any) -> Path:
+        key = _key(*args, **kwargs)
         if key not in runs:
-            root = tmp_path_factory.mktemp(f"{engine}_{wrap}_{backend or 'default'}_{grad_accum}")
-            extra: Dict[str, Any] = {}
-            if backend is not None:
-                extra["backend"] = backend
-            if accumulate_locally:
-                extra["accumulate_grads_locally"] = True
-            config = train_config(engine=engine, wrap=wrap, engine_extra=extra)
-            if grad_accum != 1:
-                config["steps"]["train"]["grad_accum"] = grad_accum
-            run_tango(config, root / "ws", cwd=root / "cwd")
+            root = tmp_path_factory.mktemp(f"run_{_name(key)}")
+            run_tango(toy_experiment(*key), root / "ws", cwd=root / "cwd")
             runs[key] = root / "ws"
         return runs[key]
 
     return run
+
+
+class ToyTrain:
+    """
+    ``toy_train(engine, wrap, backend=None, grad_accum=1, accumulate_locally=False)``: the work
+    directory of :func:`toy_experiment` with those settings trained in the test's own workers
+    (:mod:`tests.harness`), once per session. :meth:`prepare` trains several in one start of the
+    workers.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._factory = tmp_path_factory
+        self._work_dirs: Dict[ToyKey, Path] = {}
+
+    def prepare(self, keys: Iterable[ToyKey]) -> None:
+        from tests import harness
+
+        missing = list(dict.fromkeys(_key(*key) for key in keys))
+        missing = [key for key in missing if key not in self._work_dirs]
+        if not missing:
+            return
+        root = self._factory.mktemp("toy_train")
+        jobs = [harness.Train(toy_experiment(*key), root / _name(key)) for key in missing]
+        for key, job, result in zip(missing, jobs, harness.run(jobs, out=root / "harness")):
+            result.check()
+            self._work_dirs[key] = job.work_dir
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Path:
+        key = _key(*args, **kwargs)
+        self.prepare([key])
+        return self._work_dirs[key]
+
+
+@pytest.fixture(scope="session")
+def toy_train(tmp_path_factory: pytest.TempPathFactory) -> ToyTrain:
+    return ToyTrain(tmp_path_factory)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,27 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 TANGO = str(Path(sys.executable).with_name("tango"))
 INCLUDES = ["tango_fairscale", "examples.toy.components", "tests.components"]
+README = (REPO / "README.md").read_text()
+
+
+def readme_blocks(language: str) -> List[str]:
+    """The README's fenced code blocks in ``language``, in order."""
+    return [
+        m.group(2)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+        if m.group(1) == language
+    ]
+
+
+def readme_block_with(language: str, text: str) -> str:
+    (found,) = [block for block in readme_blocks(language) if text in block]
+    return found
+
+
+def readme_command_lines(language: str, text: str) -> List[str]:
+    """The README's commands of the block holding ``text``, continuation lines joined, comments dropped."""
+    joined = readme_block_with(language, text).replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
 
 
 def toy_model(num_blocks: int = 4, width: int = 32) -> Dict[str, Any]:

@@ -1,7 +1,8 @@
 """
 Automatic mixed precision on CPU workers: activation checkpointing recomputes under the same
 bfloat16 autocast as the forward pass (with this engine and with Tango's DDP engine), and FSDP
-mixed precision computes in bfloat16 alongside it.
+mixed precision computes in bfloat16 alongside it. Trained in the test's own workers
+(:mod:`tests.harness`, Tango's worker loop).
 """
 
 import json
@@ -9,10 +10,10 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
+import torch
 
-from tests.helpers import load_weights, max_abs_difference, run_tango, train_config, train_work_dir
-
-pytestmark = pytest.mark.slow
+from tests import harness
+from tests.helpers import max_abs_difference, train_config
 
 TOLERANCE = 1e-5
 
@@ -34,14 +35,19 @@ def amp_config(engine: str, checkpointing: bool) -> Dict[str, Any]:
 
 
 # The torch backend's variant is extended: test_torch_backend.py checks its checkpoint wrapper's
-# recompute under bfloat16 autocast at library level, in make test.
+# recompute under bfloat16 autocast in make test.
 @pytest.mark.parametrize("engine", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_checkpointing_under_bf16_autocast_matches_plain(engine: str, tmp_path: Path) -> None:
-    weights = {}
-    for checkpointing in (False, True):
-        workspace = tmp_path / f"ckpt{checkpointing}"
-        run_tango(amp_config(engine, checkpointing), workspace / "ws", cwd=workspace / "cwd")
-        weights[checkpointing] = load_weights(workspace / "ws")
+    jobs = [
+        harness.Train(amp_config(engine, checkpointing), tmp_path / f"ckpt{checkpointing}")
+        for checkpointing in (False, True)
+    ]
+    for result in harness.run(jobs, out=tmp_path / "harness"):
+        result.check()
+    weights = {
+        checkpointing: torch.load(job.work_dir / "weights.pt", weights_only=True)
+        for checkpointing, job in zip((False, True), jobs)
+    }
     difference = max_abs_difference(weights[True], weights[False])
     print(f"{engine}: max |checkpointed - plain| under bf16 autocast = {difference:.3e}")
     assert difference <= TOLERANCE
@@ -58,11 +64,11 @@ def test_fsdp_mixed_precision_with_amp_trains_layernorm_model(tmp_path: Path) ->
         model={"type": "test::norm_regressor", "in_features": 8, "width": 32},
         callbacks=[{"type": "test::record_losses"}],
     )
-    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
+    harness.train(config, tmp_path / "work")
+    losses = json.loads((tmp_path / "work" / "losses.json").read_text())
     values = [losses[str(step)] for step in sorted(int(s) for s in losses)]
     assert len(values) == 12
     assert sum(values[-3:]) < sum(values[:3]), values
-    weights = load_weights(tmp_path / "ws")
+    weights = torch.load(tmp_path / "work" / "weights.pt", weights_only=True)
     # The master weights stay float32; only the gathered copies were bfloat16.
     assert all(tensor.dtype.is_floating_point and tensor.element_size() == 4 for tensor in weights.values())

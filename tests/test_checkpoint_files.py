@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tango_fairscale import CheckpointError, checkpointing
-from tango_fairscale.checkpointing import resharding
+from tango_fairscale.backends.fairscale_fsdp import resharding
 from tests.helpers import REPO
 
 # What a model file holds: this package's (with the keys resharding needs) and the bundled

@@ -1,45 +1,49 @@
 """
 Sharded checkpoints: resuming after SIGKILL, a crash in the middle of a save, resuming on a
 different number of workers, refusing pickles, and offline consolidation.
+
+The kill and rerun goes through the real CLI (Tango's ``checkpoint_state_latest`` and its
+"Recovering from previous run"); everything else trains in the test's own workers
+(:mod:`tests.harness`: Tango's worker loop, no ``tango run``).
 """
 
 import json
 import pickle
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import CheckpointError, checkpointing, consolidation
+from tango_fairscale.cli import main
+from tests import harness
 from tests.helpers import (
-    REPO,
     kill_after_checkpoint,
     load_weights,
     max_abs_difference,
+    readme_command_lines,
     run_tango,
+    tango_env,
     train_config,
-    train_work_dir,
 )
 
-pytestmark = pytest.mark.slow
-
 RESUME_TOLERANCE = 1e-6
-CALLBACKS: List[Dict[str, Any]] = [
-    {"type": "test::record_losses"},
-    {"type": "test::slow_down", "seconds": 0.15},
-]
+RECORD_LOSSES: Dict[str, Any] = {"type": "test::record_losses"}
+#: So that the CLI run can be killed between two checkpoints.
+SLOW_DOWN: Dict[str, Any] = {"type": "test::slow_down", "seconds": 0.15}
 
 
 BACKENDS = ["fairscale", "torch"]
-#: The torch backend's end-to-end kill-and-rerun and resharding runs are extended: make test covers
-#: them with its two-host run (a host killed, each host resuming its DCP part:
-#: test_multihost.py) and DCP's resharding at library level (test_torch_backend.py).
+#: The torch backend's resharding runs are extended: make test covers DCP's resharding at library
+#: level (test_torch_backend.py).
 BACKENDS_CI = ["fairscale", pytest.param("torch", marks=pytest.mark.extended)]
 
 
@@ -47,42 +51,43 @@ def backend_engine(backend: str, **extra: Any) -> Dict[str, Any]:
     return {"backend": backend, **extra}
 
 
-def kill_config(backend: str = "fairscale", **overrides: Any) -> Dict[str, Any]:
+def kill_config(
+    backend: str = "fairscale", callbacks: Optional[List[Dict[str, Any]]] = None
+) -> Dict[str, Any]:
     return train_config(
         engine="fairscale",
         wrap="nested",
         train_steps=12,
         checkpoint_every=3,
-        callbacks=CALLBACKS,
+        callbacks=callbacks if callbacks is not None else [RECORD_LOSSES],
         engine_extra=backend_engine(backend),
-        **overrides,
     )
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Dict[str, torch.Tensor]]:
-    """The weights of the uninterrupted run of :func:`kill_config`, per backend, run once each."""
+    """The weights of an uninterrupted run of :func:`kill_config`, per backend, trained once each."""
     weights: Dict[str, Dict[str, torch.Tensor]] = {}
 
     def run(backend: str) -> Dict[str, torch.Tensor]:
         if backend not in weights:
-            root = tmp_path_factory.mktemp(f"uninterrupted_{backend}")
-            run_tango(kill_config(backend), root / "ws", cwd=root / "cwd")
-            weights[backend] = load_weights(root / "ws")
+            work_dir = tmp_path_factory.mktemp(f"uninterrupted_{backend}") / "work"
+            harness.train(kill_config(backend), work_dir)
+            weights[backend] = torch.load(work_dir / "weights.pt", weights_only=True)
         return weights[backend]
 
     return run
 
 
-#: Extended for both backends: make test kills and reruns a dropout model with the latest link
-#: removed (test_integrity.py), and a lost host's rerun with the torch backend (test_multihost.py).
-@pytest.mark.extended
-@pytest.mark.parametrize("backend", BACKENDS)
+#: The kill and rerun through the CLI, once per backend: the torch backend's is extended, as make
+#: test kills and reruns a torch-backend run across two hosts (test_multihost.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS_CI)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     uninterrupted = uninterrupted_runs(backend)
-    config = kill_config(backend)
+    config = kill_config(backend, callbacks=[RECORD_LOSSES, SLOW_DOWN])
     cwd, workspace = tmp_path / "cwd", tmp_path / "ws"
     work_dir = kill_after_checkpoint(config, workspace, cwd)
     losses_before = json.loads((work_dir / "losses.json").read_text())
@@ -105,23 +110,32 @@ def test_crash_while_saving_keeps_previous_checkpoint(
 ) -> None:
     uninterrupted = uninterrupted_runs("fairscale")
     config = kill_config()
-    config["steps"]["train"]["training_engine"]["type"] = "test::fairscale_crash_in_save"
-    config["steps"]["train"]["training_engine"]["crash_at_checkpoint"] = "checkpoint_state_step6"
-    first = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
-    assert first.returncode != 0
-    work_dir = train_work_dir(tmp_path / "ws")
+    engine = config["steps"]["train"]["training_engine"]
+    engine["type"] = "test::fairscale_crash_in_save"
+    engine["crash_at_checkpoint"] = "checkpoint_state_step6"
+    # Worker 0 waits for the dead worker 1's digests: the gloo connection's end fails it at once,
+    # and this bounds the wait should it not.
+    engine["collective_timeout"] = harness.COLLECTIVE_TIMEOUT
+    work_dir = tmp_path / "work"
+    (first,) = harness.run([harness.Train(config, work_dir)], out=tmp_path / "first")
+    assert first.exitcodes[1] == -signal.SIGKILL, first.describe()
+    assert first.errors[0] is not None, first.describe()  # the run failed
     assert (work_dir / "crashed_once").exists()
-    # The interrupted save left worker 1's model file but no marker: it does not count ...
+    # The interrupted save never got its marker: it does not count (worker 0 removes it when it
+    # sees the failure, unless it is stopped first; the rerun removes what is left) ...
     interrupted = work_dir / "checkpoint_state_step6"
-    assert (interrupted / "worker1_model.pt").exists()
     assert not checkpointing.is_complete(interrupted)
     # ... and the last complete checkpoint is still the resume point.
     assert (work_dir / "checkpoint_state_latest").resolve().name == "checkpoint_state_step3"
     assert checkpointing.is_complete(work_dir / "checkpoint_state_step3")
 
-    second = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    assert "checkpoint_state_step3" in second.stdout + second.stderr
-    difference = max_abs_difference(load_weights(tmp_path / "ws"), uninterrupted)
+    (interrupted / "worker1_model.pt").parent.mkdir(exist_ok=True)
+    (interrupted / "worker1_model.pt").write_bytes(b"what a killed save left")
+    second = harness.train(config, work_dir)
+    assert "Recovering from previous run at" in second.logs and "checkpoint_state_step3" in second.logs
+    assert "Removed checkpoint_state_step6: save(s) interrupted" in second.logs
+    assert not interrupted.exists() or checkpointing.is_complete(interrupted)
+    difference = max_abs_difference(torch.load(work_dir / "weights.pt", weights_only=True), uninterrupted)
     print(f"max |resumed after crash in save - uninterrupted| = {difference:.3e}")
     assert difference <= RESUME_TOLERANCE
 
@@ -152,7 +166,6 @@ def two_worker_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
     def run(backend: str) -> Path:
         if backend not in work_dirs:
-            root = tmp_path_factory.mktemp(f"two_workers_{backend}")
             config = train_config(
                 engine="fairscale",
                 wrap="nested",
@@ -162,8 +175,8 @@ def two_worker_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
                 engine_extra=backend_engine(backend),
             )
             config["steps"]["train"]["remove_stale_checkpoints"] = False  # keep step 4 to resume from
-            run_tango(config, root / "ws", cwd=root / "cwd")
-            work_dirs[backend] = train_work_dir(root / "ws")
+            work_dirs[backend] = tmp_path_factory.mktemp(f"two_workers_{backend}") / "work"
+            harness.train(config, work_dirs[backend])
         return work_dirs[backend]
 
     return run
@@ -181,13 +194,14 @@ def resume_on(workers: int, source: Path, tmp_path: Path, backend: str = "fairsc
         device_count=workers,
         train_steps=20,
         checkpoint_every=10,
-        callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
+        callbacks=[{"type": "test::save_after_load"}, RECORD_LOSSES],
         engine_extra=backend_engine(backend, resume_from_checkpoint=str(source)),
     )
     config["steps"]["train"]["remove_stale_checkpoints"] = False
-    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    assert "Resharding checkpoint" in result.stdout + result.stderr
-    return train_work_dir(tmp_path / "ws")
+    work_dir = tmp_path / "work"
+    result = harness.train(config, work_dir, world_size=workers)
+    assert "Resharding checkpoint" in result.logs
+    return work_dir
 
 
 @pytest.mark.parametrize("backend", BACKENDS_CI)
@@ -211,6 +225,44 @@ def test_resume_on_another_world_size(
     assert_states_equal(consolidated(back / "after_load"), consolidated(work_dir / "checkpoint_state_step10"))
 
 
+def _resume_with_other_wrapping(worker: harness.Worker, backend: str, root: Path) -> Optional[str]:
+    """
+    On each worker, with the engine built directly: 3 steps with every block its own unit, a
+    checkpoint, then an engine of the same model with FSDP on the root only loading it (and saving
+    what it loaded). Returns the load's error, if it refused.
+    """
+    nested = train_config(engine="fairscale", wrap="nested", engine_extra=backend_engine(backend))
+    root_only = train_config(engine="fairscale", wrap="root", engine_extra=backend_engine(backend))
+    engine = worker.engine(nested, root / "nested")
+    worker.train(engine, worker.batches(nested), 3)
+    engine.save_checkpoint(root / "saved", {"training_steps": 3})
+    engine = worker.engine(root_only, root / "root_only")
+    try:
+        engine.load_checkpoint(root / "saved")
+    except CheckpointError as error:
+        return str(error)
+    engine.save_checkpoint(root / "loaded", {"training_steps": 3})
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_of_another_wrapping(backend: str, tmp_path: Path) -> None:
+    (result,) = harness.run(
+        [harness.Call(_resume_with_other_wrapping, (backend, tmp_path))], out=tmp_path / "h"
+    )
+    result.check()
+    if backend == "fairscale":
+        # FairScale's flat parameters are the units': refused on every worker, naming them and the fix.
+        for error in result.values:
+            assert "The checkpoint was saved from a differently wrapped model" in error, error
+            assert "parameters only in the checkpoint ['blocks.0.flat_param_0'" in error, error
+            assert "Use the same modules_to_wrap/fsdp_config as the run that saved it" in error, error
+    else:
+        # DCP keys the shards by parameter name: the other wrapping holds exactly the saved state.
+        assert result.values == [None, None]
+        assert_states_equal(consolidated(tmp_path / "loaded"), consolidated(tmp_path / "saved"))
+
+
 class CreatesFile:
     """Unpickling this creates a file: what an attacker's checkpoint would do."""
 
@@ -221,7 +273,9 @@ class CreatesFile:
         return (open, (str(self.path), "w"))
 
 
-def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: Path) -> None:
+def test_pickle_payload_is_refused_and_not_run(
+    two_worker_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     tampered = tmp_path / "tampered"
     shutil.copytree(two_worker_run / "checkpoint_state_step4", tampered)
     evidence = tmp_path / "pwned"
@@ -243,32 +297,20 @@ def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: P
         checkpointing.safe_load(tampered / "worker1_optimizer.pt")
     assert not evidence.exists()
 
-    # Through a real run resuming from it.
+    # Through a run resuming from it: every worker stops on it.
     config = train_config(engine="fairscale", wrap="nested", train_steps=6, checkpoint_every=3, callbacks=[])
     config["steps"]["train"]["training_engine"]["resume_from_checkpoint"] = str(tampered)
-    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
-    assert result.returncode != 0
-    assert "worker1_optimizer.pt" in result.stdout + result.stderr
+    (resumed,) = harness.run([harness.Train(config, tmp_path / "work")], out=tmp_path / "harness")
+    assert all(error is not None and "worker1_optimizer.pt" in error for error in resumed.errors), (
+        resumed.describe()
+    )
     assert not evidence.exists()
 
     # Through the consolidate command.
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tango_fairscale",
-            "consolidate",
-            str(tampered),
-            str(tmp_path / "out.pt"),
-            "--optimizer",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert cli.returncode == 2
-    assert "Refusing to load" in cli.stderr and "worker1_optimizer.pt" in cli.stderr
+    status = main(["consolidate", str(tampered), str(tmp_path / "out.pt"), "--optimizer"])
+    stderr = capsys.readouterr().err
+    assert status == 2
+    assert "Refusing to load" in stderr and "worker1_optimizer.pt" in stderr
     assert not evidence.exists()
     # Sanity: the payload does run under plain unpickling, so the refusals above are real.
     pickle.loads(pickle.dumps(CreatesFile(evidence)))
@@ -277,27 +319,23 @@ def test_pickle_payload_is_refused_and_not_run(two_worker_run: Path, tmp_path: P
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path) -> None:
+    """The README's consolidate command, as written there, on a work directory of either backend."""
     two_worker_run = two_worker_runs(backend)
-    output = tmp_path / "full.pt"
+    (line,) = readme_command_lines("bash", "tango_fairscale consolidate")
+    filled = (
+        line.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(two_worker_run))
+        .replace("[--optimizer]", "--optimizer")
+        .replace(" [--force]", "")
+        .replace("python", sys.executable, 1)
+    )
+    assert "[" not in filled, filled
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tango_fairscale",
-            "consolidate",
-            str(two_worker_run),
-            str(output),
-            "--optimizer",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
+        shlex.split(filled), cwd=tmp_path, env=tango_env(), capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
     assert "from 2 shards" in result.stdout
     assert "Reading shards" in result.stderr  # the progress bar
-    full = torch.load(output, weights_only=True)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
     model = ToyRegressor(in_features=8, width=32, num_blocks=4)
     model.load_state_dict(full["model"], strict=True)
     # The work dir's latest checkpoint is the final one, whose weights are the step's weights.pt.
@@ -309,7 +347,7 @@ def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path
 
 @pytest.mark.parametrize(
     "marker_lists_files",
-    [pytest.param(True, marks=pytest.mark.extended), pytest.param(False, marks=pytest.mark.extended)],
+    [True, pytest.param(False, marks=pytest.mark.extended)],
     ids=["marker-lists-files", "older-marker"],
 )
 def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
@@ -324,6 +362,9 @@ def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
         checkpointing.worker_file(source, worker, "lr_scheduler").unlink()
     marker = checkpointing.read_marker(source)
     assert marker is not None and "lr_scheduler" in marker["files"]
+    # That run wrote no scheduler files, so its marker has no digests of them either.
+    for worker in range(2):
+        del marker["digests"][checkpointing.worker_file(source, worker, "lr_scheduler").name]
     if marker_lists_files:
         marker["files"].remove("lr_scheduler")
     else:
@@ -337,12 +378,10 @@ def test_resume_from_a_run_without_lr_scheduler_starts_the_schedule(
         callbacks=[],
         engine_extra={"resume_from_checkpoint": str(source)},
     )
-    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    assert "has no lr_scheduler state: the learning-rate schedule starts from its first step" in (
-        result.stdout + result.stderr
-    )
+    result = harness.train(config, tmp_path / "work")
+    assert "has no lr_scheduler state: the learning-rate schedule starts from its first step" in result.logs
     assert (
-        checkpointing.read_marker(train_work_dir(tmp_path / "ws") / "checkpoint_state_latest")[  # type: ignore[index]
+        checkpointing.read_marker(tmp_path / "work" / "checkpoint_state_latest")[  # type: ignore[index]
             "training_steps"
         ]
         == 6

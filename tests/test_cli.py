@@ -17,7 +17,8 @@ import torch
 from examples.toy.components import ToyRegressor
 from tango_fairscale import checkpointing
 from tango_fairscale.cli import default_prog, main
-from tests.helpers import REPO, run_tango, tango_env, train_config, train_work_dir
+from tests import harness
+from tests.helpers import REPO, tango_env, train_config
 
 TOY = "examples.toy.components"
 
@@ -275,13 +276,15 @@ def test_consolidate_refuses_an_interrupted_checkpoint_as_destination(
 
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The work directory of a real (short) 2-worker run: two checkpoints and weights.pt."""
-    root = tmp_path_factory.mktemp("cli_run")
-    run_tango(train_config(wrap="nested", train_steps=4, checkpoint_every=2), root / "ws", cwd=root / "cwd")
-    return train_work_dir(root / "ws")
+    """
+    The work directory of a real (short) 2-worker training, in the test's own workers
+    (:mod:`tests.harness`, Tango's worker loop): two checkpoints and weights.pt.
+    """
+    work_dir = tmp_path_factory.mktemp("cli_run") / "work"
+    harness.train(train_config(wrap="nested", train_steps=4, checkpoint_every=2), work_dir)
+    return work_dir
 
 
-@pytest.mark.slow
 def test_consolidate_force_overwrites(capsys: pytest.CaptureFixture, work_dir: Path, tmp_path: Path) -> None:
     output = tmp_path / "full.pt"
     output.write_bytes(b"an older file")

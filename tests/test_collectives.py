@@ -5,9 +5,10 @@ from typing import List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tango_fairscale.cpu.collectives import GlooCollectives
+from tango_fairscale.teardown import close_process_groups
+from tests import harness
 from tests.helpers import free_port
 
 
@@ -62,18 +63,18 @@ def _check(rank: int, world_size: int, port: int) -> None:
         got_floats = torch.empty(1000)
         ours.reduce_scatter(got_floats, list(floats.clone().unbind(0)))
         assert torch.equal(got_floats, _gloo_reduce_scatter(floats))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_collectives_match_gloo(world_size: int) -> None:
-    mp.spawn(_check, args=(world_size, free_port()), nprocs=world_size)
+    harness.spawn(_check, args=(world_size, free_port()), nprocs=world_size)
 
 
 def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tango_fairscale.cpu.fsdp2_collectives import RingAllGather, RingReduceScatter
+    from tango_fairscale.backends.torch_fsdp2.collectives import RingAllGather, RingReduceScatter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     group = dist.group.WORLD
@@ -99,7 +100,7 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
 
     # Installed on every unit of a model sharded by the torch backend on a CPU mesh.
     from tango_fairscale import FSDPConfig, WrapPlan
-    from tango_fairscale.backends.torch_fsdp import shard_model
+    from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -111,9 +112,9 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
         (param_group,) = unit._get_fsdp_state()._fsdp_param_groups
         assert isinstance(param_group._all_gather_comm, RingAllGather)
         assert isinstance(param_group._reduce_scatter_comm, RingReduceScatter)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_ring_collectives_match_gloo(world_size: int) -> None:
-    mp.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)
+    harness.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)

@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
 from tango_fairscale import compat
-from tango_fairscale.cpu import collectives, memory, streams
+from tango_fairscale.backends.fairscale_fsdp import cpu_streams as streams
+from tango_fairscale.cpu import collectives, memory
+from tango_fairscale.teardown import close_process_groups
 
 
 def test_enable_is_scoped_and_reversible() -> None:
@@ -158,5 +160,5 @@ def test_mixed_precision_root_casts_inputs_to_its_compute_dtype() -> None:
         expected = F.linear(inputs.detach().bfloat16(), weight.bfloat16(), bias.bfloat16())
         assert torch.equal(output.detach(), expected)
     finally:
-        dist.destroy_process_group()
+        close_process_groups()
         compat.disable_cpu_fsdp()

@@ -1,7 +1,11 @@
 """
 The heart of the plugin: FSDP on 2 CPU workers trains to the same weights as Tango's own DDP
-engine on 2 CPU workers, through the real ``tango`` CLI, with either backend (FairScale's FSDP,
-PyTorch's FSDP2), and the two backends to the same weights as each other.
+engine on 2 CPU workers, with either backend (FairScale's FSDP, PyTorch's FSDP2).
+
+Through the real ``tango`` CLI once per backend (nested units with activation checkpointing,
+against a DDP run through the CLI); the other wrappings, gradient accumulation and the state each
+worker holds in the test's own workers (:mod:`tests.harness`, Tango's worker loop), against a DDP
+run there.
 """
 
 import json
@@ -13,36 +17,42 @@ from tango.integrations.torch.util import set_seed_all
 from tango.workspaces import LocalWorkspace
 
 from examples.toy.components import ToyRegressor
-from tests.conftest import ToyRun
-from tests.helpers import load_weights, max_abs_difference, train_work_dir
-
-pytestmark = pytest.mark.slow
+from tests.conftest import ToyRun, ToyTrain
+from tests.helpers import load_weights, max_abs_difference
 
 TOLERANCE = 1e-5
 SEED = 7  # train_config()'s default seed
 
 
 BACKENDS = ["fairscale", "torch"]
-WRAPS = ["root", "nested", "nested_ckpt"]
+#: Through the CLI: the wrapping with the most machinery (units, activation checkpointing).
+CLI_WRAP = "nested_ckpt"
+#: In the test's own workers.
+WRAPS = ["root", "nested"]
+DDP = ("torch", "none")
+#: Every run the in-process tests of make test read, trained in one start of the workers.
+IN_PROCESS = [
+    DDP,
+    *(("fairscale", wrap, backend) for wrap in WRAPS for backend in BACKENDS),
+    ("fairscale", CLI_WRAP, "fairscale"),
+    ("fairscale", "nested", "fairscale", 4),
+    ("fairscale", "nested", "fairscale", 4, True),
+]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(toy_run: ToyRun) -> Path:
-    return toy_run("torch", "none")
+def trained(toy_train: ToyTrain) -> ToyTrain:
+    toy_train.prepare(IN_PROCESS)
+    return toy_train
 
 
-def state_sizes(workspace: Path) -> Dict[int, dict]:
-    work_dir = train_work_dir(workspace)
-    sizes = [json.loads(p.read_text()) for p in sorted(work_dir.glob("state_sizes_worker*.json"))]
-    return {entry["worker"]: entry for entry in sizes}
+def weights(work_dir: Path) -> Dict:
+    import torch
+
+    return torch.load(work_dir / "weights.pt", map_location="cpu", weights_only=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("wrap", WRAPS)
-def test_fsdp_matches_ddp(wrap: str, backend: str, ddp_run: Path, toy_run: ToyRun) -> None:
-    fsdp_weights = load_weights(toy_run("fairscale", wrap, backend))
-    ddp_weights = load_weights(ddp_run)
-
+def assert_matches_ddp(fsdp_weights: Dict, ddp_weights: Dict, label: str) -> None:
     # Same keys as the plain model, and loadable into it strictly.
     plain = ToyRegressor(in_features=8, width=32, num_blocks=4)
     plain.load_state_dict(fsdp_weights, strict=True)
@@ -54,45 +64,66 @@ def test_fsdp_matches_ddp(wrap: str, backend: str, ddp_run: Path, toy_run: ToyRu
     assert max_abs_difference(fsdp_weights, initial) > 1e-2
 
     difference = max_abs_difference(fsdp_weights, ddp_weights)
-    print(f"[{backend}, {wrap}] max |FSDP - DDP| over all weights: {difference:.3e}")
+    print(f"[{label}] max |FSDP - DDP| over all weights: {difference:.3e}")
     assert difference <= TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp_matches_ddp_through_the_cli(backend: str, toy_run: ToyRun) -> None:
+    assert_matches_ddp(
+        load_weights(toy_run("fairscale", CLI_WRAP, backend)),
+        load_weights(toy_run(*DDP)),
+        f"{backend}, {CLI_WRAP}",
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("wrap", WRAPS)
-def test_backends_train_to_the_same_weights(wrap: str, toy_run: ToyRun) -> None:
-    fairscale = load_weights(toy_run("fairscale", wrap, "fairscale"))
-    torch_fsdp = load_weights(toy_run("fairscale", wrap, "torch"))
-    difference = max_abs_difference(fairscale, torch_fsdp)
-    print(f"[{wrap}] max |torch backend - fairscale backend|: {difference:.3e}")
-    assert difference <= TOLERANCE
+def test_fsdp_matches_ddp(wrap: str, backend: str, trained: ToyTrain) -> None:
+    assert_matches_ddp(
+        weights(trained("fairscale", wrap, backend)), weights(trained(*DDP)), f"{backend}, {wrap}, in process"
+    )
+
+
+@pytest.mark.slow
+def test_in_process_training_is_the_tango_runs(trained: ToyTrain, toy_run: ToyRun) -> None:
+    """What the in-process tests rest on: the harness trains to a ``tango run``'s weights."""
+    in_process = weights(trained("fairscale", CLI_WRAP, "fairscale"))
+    assert max_abs_difference(in_process, load_weights(toy_run("fairscale", CLI_WRAP, "fairscale"))) == 0.0
 
 
 @pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_accumulating_gradients_locally_matches_reducing_each_micro_batch(
-    backend: str, toy_run: ToyRun
+    backend: str, trained: ToyTrain
 ) -> None:
     """grad_accum 4: one reduce-scatter per optimizer step (no_sync before) against one per micro-batch."""
-    reduced = load_weights(toy_run("fairscale", "nested", "fairscale", grad_accum=4))
-    local = load_weights(toy_run("fairscale", "nested", backend, grad_accum=4, accumulate_locally=True))
+    reduced = weights(trained("fairscale", "nested", "fairscale", 4))
+    local = weights(trained("fairscale", "nested", backend, 4, True))
     difference = max_abs_difference(local, reduced)
     print(f"[{backend}] max |accumulated locally - reduced per micro-batch|: {difference:.3e}")
     assert difference <= TOLERANCE
     # Four micro-batches per step trained to other weights than one: the runs saw grad_accum.
-    assert max_abs_difference(reduced, load_weights(toy_run("fairscale", "nested", "fairscale"))) > 1e-3
+    assert max_abs_difference(reduced, weights(trained("fairscale", "nested", "fairscale"))) > 1e-3
 
 
+@pytest.mark.slow
 def test_step_result_is_the_trained_model(toy_run: ToyRun) -> None:
-    run = toy_run("fairscale", "nested_ckpt", "fairscale")
+    run = toy_run("fairscale", CLI_WRAP, "fairscale")
     workspace = LocalWorkspace(run)
     (run_name,) = workspace.registered_runs().keys()
     model = workspace.step_result_for_run(run_name, "train")
-    weights = load_weights(run)
-    assert max_abs_difference(model.state_dict(), weights) == 0.0
+    assert max_abs_difference(model.state_dict(), load_weights(run)) == 0.0
 
 
-def test_each_worker_holds_half_of_ddp_state(ddp_run: Path, toy_run: ToyRun) -> None:
-    ddp = state_sizes(ddp_run)
-    fsdp = state_sizes(toy_run("fairscale", "nested", "fairscale"))
+def state_sizes(work_dir: Path) -> Dict[int, dict]:
+    sizes = [json.loads(p.read_text()) for p in sorted(work_dir.glob("state_sizes_worker*.json"))]
+    return {entry["worker"]: entry for entry in sizes}
+
+
+def test_each_worker_holds_half_of_ddp_state(trained: ToyTrain) -> None:
+    ddp = state_sizes(trained(*DDP))
+    fsdp = state_sizes(trained("fairscale", "nested", "fairscale"))
     assert sorted(ddp) == sorted(fsdp) == [0, 1]
     full_params = sum(p.numel() for p in ToyRegressor(in_features=8, width=32, num_blocks=4).parameters())
     for worker in (0, 1):
@@ -107,9 +138,9 @@ def test_each_worker_holds_half_of_ddp_state(ddp_run: Path, toy_run: ToyRun) -> 
     assert fsdp[0]["param_numel"] == fsdp[1]["param_numel"]
 
 
-def test_torch_backend_workers_hold_disjoint_halves(ddp_run: Path, toy_run: ToyRun) -> None:
-    ddp = state_sizes(ddp_run)
-    fsdp = state_sizes(toy_run("fairscale", "nested", "torch"))
+def test_torch_backend_workers_hold_disjoint_halves(trained: ToyTrain) -> None:
+    ddp = state_sizes(trained(*DDP))
+    fsdp = state_sizes(trained("fairscale", "nested", "torch"))
     model = ToyRegressor(in_features=8, width=32, num_blocks=4)
     full_params = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))

@@ -1,12 +1,12 @@
 """
-Checkpoint integrity and failures that must end a run, through the real CLI on 2 CPU workers:
-random state restored on resume (dropout), a missing ``latest`` link, a checkpoint of another
-model size, files of another step, a changed byte, and a frozen worker.
+Checkpoint integrity and failures that must end a run, on 2 CPU workers: random state restored
+on resume (dropout) after a kill that left no ``latest`` link, a checkpoint of another model size,
+files of another step, a changed byte (in the test's own workers, :mod:`tests.harness`), and a
+frozen worker (through the real CLI, whose main process must end the run).
 """
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Dict
@@ -15,44 +15,47 @@ import pytest
 import torch
 
 from tango_fairscale import checkpointing
-from tests.helpers import (
-    kill_after_checkpoint,
-    load_weights,
-    max_abs_difference,
-    run_tango,
-    toy_model,
-    train_config,
-    train_work_dir,
-)
-
-pytestmark = pytest.mark.slow
+from tango_fairscale.backends.fairscale_fsdp import resharding
+from tests import harness
+from tests.helpers import max_abs_difference, run_tango, toy_model, train_config, train_work_dir
 
 
 def dropout_config() -> Dict[str, Any]:
+    # Killed (SIGKILL, every worker) before step index 7, once: after the checkpoint of step 6.
     config = train_config(
         engine="fairscale",
         wrap="root",
         train_steps=12,
         checkpoint_every=3,
         model={"type": "test::dropout_regressor", "in_features": 8, "width": 32},
-        callbacks=[{"type": "test::slow_down", "seconds": 0.15}],
+        callbacks=[{"type": "test::kill_once", "step": 7}],
     )
     return config
 
 
+def weights(work_dir: Path) -> Dict[str, torch.Tensor]:
+    return torch.load(work_dir / "weights.pt", weights_only=True)
+
+
 def test_dropout_resume_after_kill_without_latest_link_matches(tmp_path: Path) -> None:
-    run_tango(dropout_config(), tmp_path / "plain" / "ws", cwd=tmp_path / "plain" / "cwd")
-    uninterrupted = load_weights(tmp_path / "plain" / "ws")
-
-    cwd, workspace = tmp_path / "killed" / "cwd", tmp_path / "killed" / "ws"
-    work_dir = kill_after_checkpoint(dropout_config(), workspace, cwd)
+    plain = dropout_config()
+    plain["steps"]["train"]["callbacks"] = []
+    killed = tmp_path / "killed"
+    uninterrupted_run, killed_run = harness.run(
+        [harness.Train(plain, tmp_path / "plain"), harness.Train(dropout_config(), killed)],
+        out=tmp_path / "first",
+    )
+    uninterrupted_run.check(exited=False)
+    uninterrupted = weights(tmp_path / "plain")
+    assert killed_run.exitcodes == [-signal.SIGKILL] * 2, killed_run.describe()
+    assert (killed / "killed_once").exists() and not (killed / "weights.pt").exists()
+    assert checkpointing.is_complete(killed / "checkpoint_state_step6")
     # What a kill between Tango's unlink and symlink leaves: no latest link at all.
-    (work_dir / "checkpoint_state_latest").unlink()
+    (killed / "checkpoint_state_latest").unlink()
 
-    result = run_tango(dropout_config(), workspace, cwd=cwd)
-    output = result.stdout + result.stderr
-    assert "is missing or dangling: resuming from checkpoint_state_step" in output, output[-3000:]
-    difference = max_abs_difference(load_weights(workspace), uninterrupted)
+    result = harness.train(dropout_config(), killed)
+    assert "is missing or dangling: resuming from checkpoint_state_step6" in result.logs, result.logs[-3000:]
+    difference = max_abs_difference(weights(killed), uninterrupted)
     print(f"dropout model, max |killed, link removed, resumed - uninterrupted| = {difference:.3e}")
     assert difference <= 1e-6
 
@@ -60,14 +63,15 @@ def test_dropout_resume_after_kill_without_latest_link_matches(tmp_path: Path) -
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-worker run of the toy model (width 32) keeping its step-4 and step-8 checkpoints."""
-    root = tmp_path_factory.mktemp("saved")
+    work_dir = tmp_path_factory.mktemp("saved") / "work"
     config = train_config(engine="fairscale", wrap="nested", train_steps=8, checkpoint_every=4, callbacks=[])
     config["steps"]["train"]["remove_stale_checkpoints"] = False
-    run_tango(config, root / "ws", cwd=root / "cwd")
-    return train_work_dir(root / "ws")
+    harness.train(config, work_dir)
+    return work_dir
 
 
-def resume_from(source: Path, tmp_path: Path, width: int = 32, **engine: Any) -> subprocess.CompletedProcess:
+def resume_from(source: Path, tmp_path: Path, width: int = 32, **engine: Any) -> harness.JobResult:
+    """A run resuming from ``source``, which must fail on every worker; ``elapsed`` is its time."""
     config = train_config(
         engine="fairscale",
         wrap="nested",
@@ -78,17 +82,17 @@ def resume_from(source: Path, tmp_path: Path, width: int = 32, **engine: Any) ->
         engine_extra={"resume_from_checkpoint": str(source), "collective_timeout": 60, **engine},
     )
     start = time.monotonic()
-    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=180)
+    (result,) = harness.run([harness.Train(config, tmp_path / "work")], out=tmp_path / "harness", timeout=180)
     result.elapsed = time.monotonic() - start  # type: ignore[attr-defined]
+    assert all(error is not None for error in result.errors), result.describe()
     return result
 
 
 def test_checkpoint_of_another_model_size_is_refused(saved_run: Path, tmp_path: Path) -> None:
     result = resume_from(saved_run / "checkpoint_state_step8", tmp_path, width=16)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "holds parameters of other shapes than this model's" in output, output[-3000:]
-    assert "saved [32, 32], this model [16, 16]" in output, output[-3000:]
+    for error in result.errors:
+        assert "holds parameters of other shapes than this model's" in error, error  # type: ignore[operator]
+        assert "saved [32, 32], this model [16, 16]" in error, error  # type: ignore[operator]
 
 
 def forge_digest(checkpoint_dir: Path, name: str) -> None:
@@ -107,14 +111,12 @@ def test_file_of_another_step_fails_fast_without_hanging(saved_run: Path, tmp_pa
     shutil.copy(saved_run / "checkpoint_state_step4" / "worker1_trainer.pt", mixed / "worker1_trainer.pt")
     forge_digest(mixed, "worker1_trainer.pt")
     result = resume_from(mixed, tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "worker1_trainer.pt does not belong in this checkpoint: its header has step 4 where 8" in output
     # Both workers stop on it (they agree before loading), well before any timeout.
+    for error in result.errors:
+        assert "worker1_trainer.pt does not belong in this checkpoint: its header has step 4 where 8" in error  # type: ignore[operator]
     assert result.elapsed < 60, result.elapsed  # type: ignore[attr-defined]
 
 
-@pytest.mark.extended
 def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -124,11 +126,13 @@ def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path)
     data[len(data) // 2] ^= 0x01
     (changed / "worker0_optimizer.pt").write_bytes(bytes(data))
     result = resume_from(changed, tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "worker0_optimizer.pt has SHA-256" in output and "contents changed" in output, output[-3000:]
+    assert any(
+        "worker0_optimizer.pt has SHA-256" in error and "contents changed" in error  # type: ignore[operator]
+        for error in result.errors
+    ), result.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.extended
 def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
     timeout = 15
@@ -166,7 +170,7 @@ def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
 
 def test_weights_are_unchanged_by_verification(saved_run: Path) -> None:
     # The verified load path reads what was written: consolidating the final checkpoint gives weights.pt.
-    full = checkpointing.consolidate_model_state(
+    full = resharding.consolidate_model_state(
         checkpointing.load_model_shards(saved_run / "checkpoint_state_step8")
     )
     assert max_abs_difference(full, torch.load(saved_run / "weights.pt", weights_only=True)) == 0.0

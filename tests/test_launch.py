@@ -183,6 +183,22 @@ def test_expand_nodelist(nodelist: str, hosts: list) -> None:
     assert expand_nodelist(nodelist) == hosts
 
 
+def test_a_huge_nodelist_gives_its_first_host_at_once() -> None:
+    from tango_fairscale.launch import detect_launch
+
+    # Every name of node[1-100000000] was expanded (minutes, gigabytes) to take the first.
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "1",
+        "SLURM_JOB_NODELIST": "node[1-100000000]",
+    }
+    launch = detect_launch(env)
+    assert launch is not None and launch.master_addr == "node1"
+
+
 def test_expand_nodelist_refuses_malformed() -> None:
     from tango_fairscale.launch import expand_nodelist
 
@@ -253,8 +269,15 @@ def test_hosts_must_agree_on_step_and_device_count() -> None:
     check_hosts(same, 0)
     with pytest.raises(ConfigurationError, match=r"device_count: host 1 \(h1\) has 3 workers, host 0 has 2"):
         check_hosts([same[0], HostInfo("h1", "a", "/w1", 3, "s", "t1")], 0)
-    with pytest.raises(ConfigurationError, match="runs step other where host 0 runs s"):
+    with pytest.raises(
+        ConfigurationError, match="runs step other where host 0 runs s: the step's config differs"
+    ):
         check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "other", "t1")], 0)
+    # Another version of the package is named before the step id it also changes.
+    with pytest.raises(
+        ConfigurationError, match="Host 1 \\(h1\\) runs tango-fairscale 0.0.1 where host 0 runs"
+    ):
+        check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "other", "t1", version="0.0.1")], 0)
 
 
 def _serve_store() -> dist.TCPStore:
@@ -307,11 +330,12 @@ def test_a_restarted_host_skips_the_attempt_it_already_joined() -> None:
     import time
 
     from tango_fairscale import launch as launching
+    from tango_fairscale.launch import rendezvous
 
     agent = _serve_store()
     prefix = "tango_fairscale/step"
     old = _serve_store()
-    assert launching._claim(old, 1)  # the killed incarnation of host 1 joined attempt 1
+    assert rendezvous._claim(old, 1)  # the killed incarnation of host 1 joined attempt 1
     agent.set(f"{prefix}/endpoint", f"1 {LOCAL_ADDRESS} {old.port}")
     new = _serve_store()
 
@@ -321,7 +345,7 @@ def test_a_restarted_host_skips_the_attempt_it_already_joined() -> None:
 
     threading.Thread(target=publish_next).start()
     launch = launching.Launch("torchrun", 1, 2, LOCAL_ADDRESS, agent.port, agent_store=True)
-    store = launching._join(launch, prefix, timeout=30)
+    store = rendezvous._join(launch, prefix, timeout=30)
     assert store.port == new.port
     # It tried the old attempt (and was refused: node rank 1 was taken), then joined the new one.
     assert int(old.add("join/1", 0)) == 2
@@ -333,6 +357,7 @@ def test_a_published_store_that_is_gone_is_skipped() -> None:
     import time
 
     from tango_fairscale import launch as launching
+    from tango_fairscale.launch import rendezvous
 
     agent = _serve_store()
     prefix = "tango_fairscale/step"
@@ -345,7 +370,7 @@ def test_a_published_store_that_is_gone_is_skipped() -> None:
         agent.set(f"{prefix}/endpoint", f"2 {LOCAL_ADDRESS} {live.port}")
 
     threading.Thread(target=publish_next).start()
-    store = launching._join(launching.Launch("torchrun", 1, 2, LOCAL_ADDRESS, agent.port, True), prefix, 30)
+    store = rendezvous._join(launching.Launch("torchrun", 1, 2, LOCAL_ADDRESS, agent.port, True), prefix, 30)
     assert store.port == live.port
 
 
@@ -435,7 +460,7 @@ def test_a_worker_dies_with_its_parent(tmp_path: Path) -> None:
 
 
 def test_the_host_that_failed_first_is_named() -> None:
-    from tango_fairscale.launch import _first_failure
+    from tango_fairscale.launch.rendezvous import _first_failure
 
     states = {
         1: "failed 2: RuntimeError: Connection closed by peer",
@@ -452,7 +477,7 @@ def test_the_host_that_failed_first_is_named() -> None:
 def test_a_worker_failure_is_summed_up_by_its_exception_line() -> None:
     from torch.multiprocessing import ProcessRaisedException
 
-    from tango_fairscale.launch import _first_line
+    from tango_fairscale.launch.failures import _first_line
 
     quoted = (
         "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"

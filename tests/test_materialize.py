@@ -114,52 +114,66 @@ def test_every_unset_parameter_is_listed_at_once() -> None:
     assert model[2].set_here.is_meta and model[3].weight.is_meta
 
 
-@pytest.mark.slow
-def test_init_on_meta_trains_through_the_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def init_on_meta_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """
+    Work directories of two init_on_meta runs, trained in the test's own workers (tests.harness,
+    Tango's worker loop): the toy model with nested units and activation checkpointing, and stock
+    attention with a bare parameter on the root.
+    """
+    from tests import harness
+    from tests.helpers import train_config
+
+    root = tmp_path_factory.mktemp("init_on_meta")
+    experiments = {
+        "nested": train_config(
+            engine="fairscale",
+            wrap="nested_ckpt",
+            train_steps=12,
+            checkpoint_every=6,
+            engine_extra={"init_on_meta": True},
+            callbacks=[{"type": "test::record_losses"}],
+        ),
+        "attention": train_config(
+            engine="fairscale",
+            wrap="root",
+            train_steps=12,
+            checkpoint_every=12,
+            engine_extra={"init_on_meta": True},
+            model={"type": "test::attention_regressor", "in_features": 8, "width": 16},
+            callbacks=[{"type": "test::record_losses"}],
+        ),
+    }
+    jobs = [harness.Train(experiment, root / name) for name, experiment in experiments.items()]
+    for result in harness.run(jobs, out=root / "harness"):
+        result.check()
+    return {name: root / name for name in experiments}
+
+
+def losses_fell(work_dir: Path) -> bool:
     import json
 
-    from tests.helpers import load_weights, run_tango, train_config, train_work_dir
-
-    config = train_config(
-        engine="fairscale",
-        wrap="nested_ckpt",
-        train_steps=12,
-        checkpoint_every=6,
-        engine_extra={"init_on_meta": True},
-        callbacks=[{"type": "test::record_losses"}],
-    )
-    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    ToyRegressor(in_features=8, width=32, num_blocks=4).load_state_dict(
-        load_weights(tmp_path / "ws"), strict=True
-    )
-    losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
+    losses = json.loads((work_dir / "losses.json").read_text())
     steps = sorted(losses, key=int)
-    assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
+    return sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
 
 
-@pytest.mark.slow
-def test_init_on_meta_trains_stock_attention_and_a_bare_parameter(tmp_path: Path) -> None:
-    import json
-
-    from tests.components import AttentionRegressor
-    from tests.helpers import load_weights, run_tango, train_config, train_work_dir
-
-    config = train_config(
-        engine="fairscale",
-        wrap="root",
-        train_steps=12,
-        checkpoint_every=12,
-        engine_extra={"init_on_meta": True},
-        model={"type": "test::attention_regressor", "in_features": 8, "width": 16},
-        callbacks=[{"type": "test::record_losses"}],
+def test_init_on_meta_trains(init_on_meta_runs: Dict[str, Path]) -> None:
+    work_dir = init_on_meta_runs["nested"]
+    ToyRegressor(in_features=8, width=32, num_blocks=4).load_state_dict(
+        torch.load(work_dir / "weights.pt", weights_only=True), strict=True
     )
-    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    weights = load_weights(tmp_path / "ws")
+    assert losses_fell(work_dir)
+
+
+def test_init_on_meta_trains_stock_attention_and_a_bare_parameter(init_on_meta_runs: Dict[str, Path]) -> None:
+    from tests.components import AttentionRegressor
+
+    work_dir = init_on_meta_runs["attention"]
+    weights = torch.load(work_dir / "weights.pt", weights_only=True)
     AttentionRegressor(in_features=8, width=16).load_state_dict(weights, strict=True)
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
-    losses = json.loads((train_work_dir(tmp_path / "ws") / "losses.json").read_text())
-    steps = sorted(losses, key=int)
-    assert sum(losses[s] for s in steps[-3:]) < sum(losses[s] for s in steps[:3])
+    assert losses_fell(work_dir)
 
 
 def forgetful_step() -> Dict[str, Any]:

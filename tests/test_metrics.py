@@ -1,8 +1,8 @@
 """
 The ``fairscale::metrics`` callback (``tango_fairscale.metrics.MetricsLog``) and the ``plot``
 command: the callback driven hook by hook as Tango's training loop drives it, inside a real
-in-process Tango run with Tango's ``"torch"`` engine, and end to end on 2 CPU workers with the
-``"fairscale"`` engine, through a crash and a resume.
+in-process Tango run with Tango's ``"torch"`` engine, and in Tango's worker loop on 2 CPU workers
+(:mod:`tests.harness`) with the ``"fairscale"`` engine, through a crash and a resume.
 """
 
 import json
@@ -23,8 +23,9 @@ from tango.workspaces import LocalWorkspace
 from tango_fairscale import metrics
 from tango_fairscale.cli import main
 from tango_fairscale.metrics import METRICS_FILE_NAME, MetricsLog
+from tests import harness
 from tests.components import RecordLosses, RegressorWithMetrics
-from tests.helpers import run_tango, train_config, train_work_dir
+from tests.helpers import train_config
 from tests.test_cli import fails
 
 
@@ -373,6 +374,24 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert width == 600 and height == 340
 
 
+def test_plot_skips_numbers_beyond_floats(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # A 400-digit integer raised OverflowError from float(); as a value it is no number to draw,
+    # as a step the line is skipped like any unreadable one.
+    path = write_metrics(tmp_path / METRICS_FILE_NAME)
+    huge = 10**400
+    path.write_text(
+        path.read_text().rsplit("\n", 1)[0]
+        + "\n"
+        + json.dumps({"step": 11, "loss": huge})
+        + "\n"
+        + json.dumps({"step": huge, "loss": 0.5})
+        + "\n"
+    )
+    assert main(["plot", str(path), "-o", str(tmp_path / "m.png")]) == 0
+    assert "skipped 1 unreadable line" in capsys.readouterr().out
+    assert png_size(tmp_path / "m.png")[0] > 0
+
+
 def test_plot_argument_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -396,10 +415,9 @@ def test_plot_argument_errors(
     assert not (metrics_file.parent / "metrics.png").exists()
 
 
-# --- end to end ----------------------------------------------------------------------------------
+# --- on 2 workers ----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # 8 steps on 2 CPU workers, a checkpoint and a validation every 4. The first run fails on
     # every worker before step index 6, after the lines of steps 1-6; the re-run resumes from
@@ -416,10 +434,11 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
             {"type": "test::fail_once", "step": 6},
         ],
     )
-    workspace, cwd = tmp_path / "ws", tmp_path / "cwd"
-    first = run_tango(config, workspace, cwd=cwd, check=False)
-    assert first.returncode != 0 and "deliberate failure before step 6" in first.stdout + first.stderr
-    work_dir = train_work_dir(workspace)
+    work_dir = tmp_path / "work"
+    (first,) = harness.run([harness.Train(config, work_dir)], out=tmp_path / "first")
+    assert all(error is not None and "deliberate failure before step 6" in error for error in first.errors), (
+        first.describe()
+    )
     path = work_dir / METRICS_FILE_NAME
     crashed = read_lines(path)
     assert [(line["kind"], line["step"]) for line in crashed] == [
@@ -433,10 +452,8 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
         if line["kind"] == "train":
             assert line["loss"] == first_losses[str(line["step"] - 1)]
 
-    second = run_tango(config, workspace, cwd=cwd)
-    assert re.search(
-        r"Recovering from previous run at \S*checkpoint_state_step4", second.stdout + second.stderr
-    )
+    second = harness.train(config, work_dir)
+    assert re.search(r"Recovering from previous run at \S*checkpoint_state_step4", second.logs), second.logs
     lines = read_lines(path)
     # Each step once: the first run's 1-4 and validation at 4, the re-run's 5-8 and validation at 8.
     assert [(line["kind"], line["step"]) for line in lines] == [

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,15 +26,16 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 import torch
 from tango.common.exceptions import ConfigurationError
-from tango.integrations.torch import TrainConfig
 
 from tango_fairscale import checkpointing, consolidation, multihost
-from tango_fairscale.engine import _start_process_group
+from tango_fairscale.backends.fairscale_fsdp import resharding
+from tango_fairscale.options import EngineOptions
+from tango_fairscale.teardown import close_process_groups
+from tests import harness
 from tests.helpers import (
     descendants,
     load_weights,
     max_abs_difference,
-    run_tango,
     tango_command,
     tango_env,
     train_config,
@@ -45,14 +47,17 @@ TOLERANCE = 1e-6
 #: A host without heartbeats for this long is lost (the default is 10 s).
 HOST_TIMEOUT = 3
 TRAIN_STEPS = 12
+RECORD_LOSSES: Dict[str, Any] = {"type": "test::record_losses"}
 CALLBACKS: List[Dict[str, Any]] = [
-    {"type": "test::record_losses"},
+    RECORD_LOSSES,
     # So that a host can be killed between two checkpoints.
     {"type": "test::slow_down", "seconds": 0.3},
 ]
 
 
-def config(device_count: int = 2, **overrides: Any) -> Dict[str, Any]:
+def config(
+    device_count: int = 2, callbacks: Optional[List[Dict[str, Any]]] = None, **overrides: Any
+) -> Dict[str, Any]:
     """The experiment every test trains: the same model, data, seed and per-worker batch."""
     return train_config(
         engine="fairscale",
@@ -60,7 +65,7 @@ def config(device_count: int = 2, **overrides: Any) -> Dict[str, Any]:
         device_count=device_count,
         train_steps=TRAIN_STEPS,
         checkpoint_every=3,
-        callbacks=CALLBACKS,
+        callbacks=CALLBACKS if callbacks is None else callbacks,
         **overrides,
     )
 
@@ -107,7 +112,6 @@ def test_resumable_steps_of_a_host(tmp_path: Path) -> None:
 
 
 def test_a_part_resumed_elsewhere_says_how_to_gather_it(tmp_path: Path) -> None:
-    from tango_fairscale.engine import FairScaleTrainingEngine
 
     part = _fake_checkpoint(tmp_path, 3, [2, 3], 4, "a")
     # Torch-backend files are a worker's too: its DCP data file.
@@ -126,7 +130,7 @@ def test_a_part_resumed_elsewhere_says_how_to_gather_it(tmp_path: Path) -> None:
     for directory in (part, torch_part):
         with pytest.raises(checkpointing.CheckpointError) as error:
             checkpointing.require_complete(directory)
-        explained = str(FairScaleTrainingEngine._explain_part(error.value, directory))
+        explained = str(multihost.explain_part(error.value, directory))
         assert "It is host 1's part of a checkpoint written by 2 hosts (workers 2-3 of 4)" in explained
         assert "copy every host's worker files of it" in explained
 
@@ -143,7 +147,6 @@ def _transfer_world(node_rank: int, root: Path) -> Any:
 
 
 def _transfer_worker(rank: int, port: int, root: str) -> None:
-    import torch.distributed as dist
 
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3
@@ -163,12 +166,10 @@ def _transfer_worker(rank: int, port: int, root: str) -> None:
         except checkpointing.CheckpointError as error:
             outcomes[case] = f"error: {error}"
     (base / f"outcome{rank}.json").write_text(json.dumps(outcomes))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     from tests.helpers import free_port
 
     contents = {rank: os.urandom(size) for rank, size in enumerate(_SIZES)}
@@ -186,7 +187,7 @@ def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
             if not (case == "missing" and rank == 1):
                 (directory / "sub" / f"worker{rank}.bin").write_bytes(data)
             checkpointing.write_marker(directory, 3, {"files": [], "digests": digests})
-    mp.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
+    harness.spawn(_transfer_worker, args=(free_port(), str(tmp_path)), nprocs=3)
     outcomes = [json.loads((tmp_path / f"outcome{rank}.json").read_text()) for rank in range(3)]
     for rank, outcome in enumerate(outcomes):
         # Every host ends with every other host's file, byte for byte.
@@ -211,7 +212,7 @@ def test_hosts_exchange_the_files_they_lack_in_chunks(tmp_path: Path) -> None:
 )
 def test_collective_timeout_is_checked(timeout: Any, message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=f"collective_timeout: {message}"):
-        _start_process_group(TrainConfig("s", tmp_path, world_size=2), True, timeout)
+        EngineOptions(collective_timeout=timeout).check(distributed=True, device_count=2, on_cpu=True)
 
 
 # --- Two hosts on this machine --------------------------------------------------------------------
@@ -312,6 +313,8 @@ class Hosts:
     port: int = field(default_factory=_free_port)
     processes: List["subprocess.Popen[bytes]"] = field(default_factory=list)
     runs: int = 0
+    #: A host's own experiment, where it differs from the others'.
+    per_host: Dict[int, Dict[str, Any]] = field(default_factory=dict)
 
     def workspace(self, node: int) -> Path:
         return self.root / f"ws{node}"
@@ -320,7 +323,8 @@ class Hosts:
         return self.root / f"host{node}.run{self.runs}.log"
 
     def command(self, node: int) -> List[str]:
-        tango = tango_command(self.experiment, self.workspace(node), self.root / f"cwd{node}")
+        experiment = self.per_host.get(node, self.experiment)
+        tango = tango_command(experiment, self.workspace(node), self.root / f"cwd{node}")
         master = self.network.addresses[0]
         if self.launcher == "slurm":
             return tango
@@ -430,10 +434,10 @@ def _weights(hosts: Hosts, node: int) -> Dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_host_reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
-    """The same experiment on one host with 4 workers."""
-    root = tmp_path_factory.mktemp("one_host")
-    run_tango(config(device_count=4), root / "ws", cwd=root / "cwd")
-    return load_weights(root / "ws")
+    """The same experiment on one host with 4 workers (in the test's own workers: tests.harness)."""
+    work_dir = tmp_path_factory.mktemp("one_host") / "work"
+    harness.train(config(device_count=4, callbacks=[RECORD_LOSSES]), work_dir, world_size=4)
+    return torch.load(work_dir / "weights.pt", weights_only=True)
 
 
 _uninterrupted: Dict[str, Hosts] = {}
@@ -545,11 +549,44 @@ def test_torchrun_restarts_a_lost_host(
         assert checkpointing.is_complete(final)  # the other host's files hard-linked in
 
 
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("difference", ["device_count", "lr"])
+def test_hosts_that_disagree_are_told_so(network: Network, tmp_path: Path, difference: str) -> None:
+    # Under torchrun, hosts with other configs (so other step ids) met on a key derived from the
+    # step id, each on its own: both waited out the rendezvous timeout with nothing printed.
+    other = config(device_count=3) if difference == "device_count" else config()
+    if difference == "lr":
+        other["steps"]["train"]["training_engine"]["optimizer"]["lr"] = 0.02
+    hosts = Hosts(
+        network,
+        tmp_path,
+        "c10d",
+        config(),
+        env={"TANGO_FAIRSCALE_RENDEZVOUS_TIMEOUT": "120"},
+        per_host={1: other},
+    )
+    started = time.monotonic()
+    hosts.start()
+    codes = hosts.wait(timeout=200)
+    elapsed = time.monotonic() - started
+    print(f"[{network.name}] hosts that disagree on {difference}: exit codes {codes} in {elapsed:.1f} s")
+    assert all(code != 0 for code in codes), hosts.logs()
+    expected = (
+        r"device_count: host \d \(.*\) has [23] workers, host \d has [23]"
+        if difference == "device_count"
+        else r"Host \d \(.*\) runs step TorchTrainStep-\w+ where host \d runs TorchTrainStep-\w+: "
+        "the step's config differs"
+    )
+    for node in range(2):
+        assert re.search(expected, hosts.output(node)), hosts.logs()
+
+
 def _consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
     models = checkpointing.load_model_shards(checkpoint_dir)
     return {
-        "model": checkpointing.consolidate_model_state(models),
-        "optimizer": checkpointing.consolidate_optimizer_state(
+        "model": resharding.consolidate_model_state(models),
+        "optimizer": resharding.consolidate_optimizer_state(
             models, checkpointing.load_optimizer_shards(checkpoint_dir)
         ),
     }
@@ -576,12 +613,13 @@ def test_two_host_checkpoint_resumes_on_one_host(
         device_count=2,
         train_steps=TRAIN_STEPS + 6,
         checkpoint_every=6,
-        callbacks=[{"type": "test::save_after_load"}, {"type": "test::record_losses"}],
+        callbacks=[{"type": "test::save_after_load"}, RECORD_LOSSES],
         engine_extra={"resume_from_checkpoint": str(merged)},
     )
-    result = run_tango(experiment, tmp_path / "ws", cwd=tmp_path / "cwd")
-    assert "Resharding checkpoint" in result.stdout + result.stderr
-    work_dir = train_work_dir(tmp_path / "ws")
+    # In the test's own workers (tests.harness): what is under test is the checkpoint.
+    work_dir = tmp_path / "work"
+    result = harness.train(experiment, work_dir)
+    assert "Resharding checkpoint" in result.logs
     # Right after loading, the 2 workers hold exactly what the 4 workers on 2 hosts saved.
     after, saved = _consolidated(work_dir / "after_load"), _consolidated(merged)
     assert max_abs_difference(after["model"], saved["model"]) == 0.0

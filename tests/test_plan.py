@@ -1,4 +1,7 @@
-"""``python -m tango_fairscale plan``: the wrap plan, and its estimate against a real run."""
+"""
+``python -m tango_fairscale plan``: the wrap plan, and its estimate against a real 2-worker
+training (in the test's own workers, :mod:`tests.harness`).
+"""
 
 import json
 import subprocess
@@ -8,7 +11,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from tests.helpers import run_tango, tango_env, train_config, train_work_dir
+from tests import harness
+from tests.helpers import tango_env, train_config
 
 
 def run_plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -58,12 +62,31 @@ def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
     assert "'nope' matches no submodule of ToyRegressor" in result.stderr
 
 
-@pytest.mark.slow
+def test_plan_of_a_ddp_step_says_nothing_is_sharded(tmp_path: Path) -> None:
+    result = plan(train_config(engine="torch", wrap="none"), tmp_path)
+    assert [unit["shard_parameters"] for unit in result["units"]] == [
+        unit["parameters"] for unit in result["units"]
+    ]
+    assert result["bytes_per_worker"]["total"] == result["ddp_bytes_per_worker"]["total"]
+    assert 'The training engine "torch" does not shard' in result["text"]
+
+
+def test_plan_of_a_model_whose_constructor_raises_is_one_line(tmp_path: Path) -> None:
+    config = train_config(wrap="root")
+    config["steps"]["train"]["model"] = {"type": "test::raises_in_constructor"}
+    result = run_plan(config, tmp_path, "-i", "tests.components")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: model: building 'test::raises_in_constructor' raised ValueError: checkpoint file "
+        "/nowhere/model.bin not found"
+    ], result.stderr
+
+
 def test_estimate_matches_a_real_two_worker_run(tmp_path: Path) -> None:
     config = train_config(wrap="nested_ckpt", train_steps=4, checkpoint_every=4)
     estimate = plan(config, tmp_path / "plan")
-    run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd")
-    work_dir = train_work_dir(tmp_path / "ws")
+    work_dir = tmp_path / "work"
+    harness.train(config, work_dir)
     for path in sorted(work_dir.glob("state_sizes_worker*.json")):
         measured = json.loads(path.read_text())
         measured_total = measured["param_bytes"] + measured["grad_bytes"] + measured["optimizer_bytes"]

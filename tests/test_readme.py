@@ -1,10 +1,12 @@
 """
 The README's commands and config snippets, run as written: the training config snippet (with the
-one-line switch to the torch backend too), ``include_package``, ``plan``, ``plot``,
-``consolidate`` and the Python API excerpt. Placeholders (``WORKSPACE/cache/TorchTrainStep-.../work``,
-``[--option VALUE]``) are filled in, and the user's own pieces (``my_model``, the ``data`` step)
-come from the test components; ``-o`` shortens training to a few steps. ``make demo`` and
-``make test`` are what CI and the example tests run.
+one-line switch to the torch backend too), ``include_package``, ``plan``, ``plot`` and the
+Python API excerpt; ``consolidate``'s command line runs as written in
+``tests/test_checkpoints.py``, on either backend's checkpoint. Placeholders
+(``WORKSPACE/cache/TorchTrainStep-.../work``, ``[--option VALUE]``) are filled in, and the
+user's own pieces (``my_model``, the ``data`` step) come from the test components; ``-o``
+shortens training to a few steps. ``make demo`` and ``make test`` are what CI and the example
+tests run.
 """
 
 import re
@@ -19,35 +21,23 @@ import pytest
 import torch
 
 from tests.components import MyModel
-from tests.helpers import REPO, TANGO, free_port, max_abs_difference, tango_env, train_work_dir
+from tests.helpers import (
+    REPO,
+    TANGO,
+    free_port,
+    max_abs_difference,
+    readme_block_with,
+    readme_command_lines,
+    tango_env,
+    train_work_dir,
+)
 
 pytestmark = pytest.mark.slow
 
-README = (REPO / "README.md").read_text()
 #: The user's own pieces the README leaves to them: its ``my_model`` and the ``data`` step.
 USER_PACKAGES = ["tests.components", "examples.toy.components"]
 DATA_STEP = 'data: { type: "toy::regression_data", in_features: 8, train_size: 256, validation_size: 64 },'
 TRAIN_STEPS = 6
-
-
-def blocks(language: str) -> List[str]:
-    """The README's fenced code blocks in ``language``, in order."""
-    return [
-        m.group(2)
-        for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
-        if m.group(1) == language
-    ]
-
-
-def block_with(language: str, text: str) -> str:
-    (found,) = [block for block in blocks(language) if text in block]
-    return found
-
-
-def command_lines(language: str, text: str) -> List[str]:
-    """The commands of the block holding ``text``, continuation lines joined, comments dropped."""
-    joined = block_with(language, text).replace("\\\n", " ")
-    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
 
 
 def experiment(train_snippet: str) -> str:
@@ -65,7 +55,7 @@ def run(command: List[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
 
 def tango_run(cwd: Path) -> None:
     """The README's ``tango run`` line, with the user's packages and a short run."""
-    (line,) = command_lines("bash", "tango run config.jsonnet -i tango_fairscale -w workspace")
+    (line,) = readme_command_lines("bash", "tango run config.jsonnet -i tango_fairscale -w workspace")
     command = shlex.split(line)
     assert command[0] == "tango" and "-w" in command
     overrides = f'{{"steps.train.train_steps": {TRAIN_STEPS}, "steps.train.distributed_port": {free_port()}}}'
@@ -73,12 +63,12 @@ def tango_run(cwd: Path) -> None:
     run([TANGO, *command[1:], *extra, "-o", overrides], cwd)
 
 
-TRAIN_SNIPPET = block_with("jsonnet", 'type: "torch::train"')
+TRAIN_SNIPPET = readme_block_with("jsonnet", 'type: "torch::train"')
 
 
 def torch_backend_snippet() -> str:
     """The training snippet with its ``training_engine`` replaced by the README's backend example."""
-    switched = block_with("jsonnet", 'backend: "torch"')
+    switched = readme_block_with("jsonnet", 'backend: "torch"')
     engine = re.search(r"^  training_engine: \{\n.*?^  \},\n", TRAIN_SNIPPET, re.M | re.S)
     assert engine is not None
     # One line apart: the example is the snippet's engine plus `backend: "torch"`.
@@ -113,7 +103,7 @@ def test_snippet_trains_and_keeps_its_result(trained: Dict[str, Path]) -> None:
 
 
 def test_include_package_in_tango_yml(tmp_path: Path) -> None:
-    packages = block_with("yaml", "include_package")
+    packages = readme_block_with("yaml", "include_package")
     assert "- tango_fairscale" in packages
     (tmp_path / "tango.yml").write_text(packages + "".join(f"  - {p}\n" for p in USER_PACKAGES))
     (tmp_path / "config.jsonnet").write_text(experiment(TRAIN_SNIPPET))
@@ -123,7 +113,7 @@ def test_include_package_in_tango_yml(tmp_path: Path) -> None:
 
 
 def test_plan_command(tmp_path: Path) -> None:
-    (line,) = command_lines("bash", "tango_fairscale plan")
+    (line,) = readme_command_lines("bash", "tango_fairscale plan")
     filled = (
         line.replace("[--step NAME]", "--step train")
         .replace("[--world-size N]", "--world-size 4")
@@ -143,7 +133,7 @@ def test_plan_command(tmp_path: Path) -> None:
 
 def test_plot_commands(trained: Dict[str, Path], tmp_path: Path) -> None:
     work_dir = train_work_dir(trained["fairscale"] / "workspace")
-    first, second = command_lines("bash", "tango_fairscale plot")
+    first, second = readme_command_lines("bash", "tango_fairscale plot")
     run(
         shlex.split(
             first.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(work_dir)).replace(
@@ -157,28 +147,11 @@ def test_plot_commands(trained: Dict[str, Path], tmp_path: Path) -> None:
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("backend", ["fairscale", "torch"])
-def test_consolidate_command(backend: str, trained: Dict[str, Path], tmp_path: Path) -> None:
-    work_dir = train_work_dir(trained[backend] / "workspace")
-    (line,) = command_lines("bash", "tango_fairscale consolidate")
-    filled = (
-        line.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(work_dir))
-        .replace("[--optimizer]", "--optimizer")
-        .replace(" [--force]", "")
-        .replace("python", sys.executable, 1)
-    )
-    run(shlex.split(filled), tmp_path)
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
-    MyModel().load_state_dict(full["model"], strict=True)
-    assert max_abs_difference(full["model"], torch.load(work_dir / "weights.pt", weights_only=True)) == 0.0
-    assert set(full["optimizer"]["state"]) == set(full["model"])
-
-
 EXAMPLE = REPO / "examples" / "python_api" / "train.py"
 
 
 def test_python_api_excerpt_is_the_example() -> None:
-    excerpt = block_with("python", "TorchTrainStep(")
+    excerpt = readme_block_with("python", "TorchTrainStep(")
     source = EXAMPLE.read_text()
     # The README shows the example's own lines (indented one level there), "..." for some left out,
     # comments its own.

@@ -15,8 +15,11 @@ from tango.workspaces import LocalWorkspace
 
 from tango_fairscale import checkpointing, consolidation
 from tango_fairscale.step_result import FinalModelOnMeta, assign_state_dict
+from tests import harness
 from tests.components import TiedLM
 from tests.helpers import REPO, run_tango, train_work_dir
+
+BACKENDS = ["fairscale", "torch"]
 
 
 def _tied_config(backend: str) -> Dict[str, Any]:
@@ -26,11 +29,41 @@ def _tied_config(backend: str) -> Dict[str, Any]:
     ).as_dict()
 
 
-@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def _check_weights(work: Path) -> Dict[str, torch.Tensor]:
+    """``weights.pt`` of a tied model's run: the head still the embedding, and equal to the
+    in-memory consolidation of the same checkpoint."""
+    weights = torch.load(work / "weights.pt", weights_only=True)
+    assert torch.equal(weights["head.weight"], weights["embed.weight"])
+    whole = consolidation.consolidate(checkpointing.resolve_checkpoint(work))
+    assert list(whole) == list(weights)
+    assert max((whole[k] - weights[k]).abs().max().item() for k in weights) == 0.0
+    return weights
+
+
+@pytest.fixture(scope="module")
+def in_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """The tied run of each backend, in the test's own workers (tests.harness, Tango's worker loop)."""
+    root = tmp_path_factory.mktemp("tied")
+    jobs = {backend: harness.Train(_tied_config(backend), root / backend) for backend in BACKENDS}
+    for result in harness.run(list(jobs.values()), out=root / "harness"):
+        result.check()
+    return {backend: job.work_dir for backend, job in jobs.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_model_weights(in_process_runs: Dict[str, Path], backend: str) -> None:
+    weights = _check_weights(in_process_runs[backend])
+    TiedLM().load_state_dict(weights, strict=True)
+
+
+#: Through the CLI, where the main process builds the step's result: the torch backend's variant is
+#: extended (the result is built the same way; its weights.pt is test_tied_model_weights's).
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_tied_model_result_and_weights(tmp_path: Path, backend: str) -> None:
     run_tango(_tied_config(backend), tmp_path / "ws", cwd=tmp_path / "cwd")
     work = train_work_dir(tmp_path / "ws")
-    weights = torch.load(work / "weights.pt", weights_only=True)
+    weights = _check_weights(work)
     workspace = LocalWorkspace(tmp_path / "ws")
     (run_name,) = workspace.registered_runs().keys()
     model = workspace.step_result_for_run(run_name, "train")
@@ -41,11 +74,6 @@ def test_tied_model_result_and_weights(tmp_path: Path, backend: str) -> None:
     state = model.state_dict()
     assert state.keys() == weights.keys()
     assert max((state[k] - weights[k]).abs().max().item() for k in weights) == 0.0
-    assert torch.equal(weights["head.weight"], weights["embed.weight"])
-    # weights.pt equals the in-memory consolidation of the same checkpoint.
-    whole = consolidation.consolidate(checkpointing.resolve_checkpoint(work))
-    assert list(whole) == list(weights)
-    assert max((whole[k] - weights[k]).abs().max().item() for k in weights) == 0.0
 
 
 def test_assign_state_dict_adopts_the_tensors_and_keeps_ties() -> None:

@@ -1,7 +1,7 @@
 """
 A worker's exit: after :func:`tango_fairscale.teardown.close_process_groups` no gloo thread is
 left that could ask for the GIL while the interpreter finalizes (the cause of the workers'
-SIGABRT at exit, see the module). Two gloo workers in ``mp.spawn``, in seconds.
+SIGABRT at exit, see the module). Two gloo workers (:func:`tests.harness.spawn`), in seconds.
 """
 
 import json
@@ -13,12 +13,12 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan
-from tango_fairscale.backends.torch_fsdp import make_mesh, shard_model
+from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh, shard_model
 from tango_fairscale.teardown import close_process_groups, gloo_threads
+from tests import harness
 from tests.helpers import free_port, tango_env
 
 pytestmark = pytest.mark.skipif(gloo_threads() is None, reason="needs /proc/self/task (Linux)")
@@ -54,7 +54,7 @@ def _worker(rank: int, port: int, out_dir: str, close: str, backend: str) -> Non
 
 def _threads_left(tmp_path: Path, close: str, backend: str) -> Dict[int, Dict[str, int]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), close, backend), nprocs=2)
+    harness.spawn(_worker, args=(free_port(), str(tmp_path), close, backend), nprocs=2)
     return {rank: json.loads((tmp_path / f"threads{rank}.json").read_text()) for rank in range(2)}
 
 

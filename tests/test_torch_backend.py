@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -26,8 +25,16 @@ from torch.distributed.tensor import DTensor
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan, checkpointing
-from tango_fairscale.backends import torch_fsdp, torch_fsdp_checkpoint
-from tango_fairscale.backends.torch_fsdp import (
+from tango_fairscale.backends.torch_fsdp2 import checkpoint as torch_fsdp_checkpoint
+from tango_fairscale.backends.torch_fsdp2 import safe_reading
+from tango_fairscale.backends.torch_fsdp2 import sharding as torch_fsdp
+from tango_fairscale.backends.torch_fsdp2.checkpoint import (
+    consolidate_dcp,
+    load_sharded,
+    plain_name,
+    save_sharded,
+)
+from tango_fairscale.backends.torch_fsdp2.sharding import (
     OPTION_TABLE,
     check_options,
     clip_grad_norm_,
@@ -38,15 +45,12 @@ from tango_fairscale.backends.torch_fsdp import (
     no_sync,
     shard_model,
 )
-from tango_fairscale.backends.torch_fsdp_checkpoint import (
-    consolidate_dcp,
-    load_sharded,
-    plain_name,
-    save_sharded,
-)
 from tango_fairscale.errors import CheckpointError
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tango_fairscale.options import check_engine_options
+from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.topology import Topology
+from tests import harness
 from tests.helpers import REPO, free_port
 
 STEPS = 4
@@ -182,7 +186,7 @@ def _train_worker(rank: int, world_size: int, port: int, out: str) -> None:
         "scale": scaler.get_scale(),
     }
     torch.save(results, out_dir / f"train_rank{rank}.pt")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) -> None:
@@ -211,18 +215,18 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
         # files only, and loads back from them alone (shards and optimizer state replicated
         # across hosts are in each host's files).
         per_host = world_size // hosts
-        node_of_rank = [r // per_host for r in range(world_size)]
-        part = out_dir / f"host{node_of_rank[rank]}" / "checkpoint"
+        topology = Topology(world_size, per_host)
+        part = out_dir / f"host{topology.host_of(rank)}" / "checkpoint"
         fields = save_sharded(
             part,
             model,
             optimizer,
             {"trainer": {"rank": rank}},
             step=STEPS + EXTRA_STEPS,
-            node_of_rank=node_of_rank,
+            topology=topology,
         )
         if rank % per_host == 0:
-            workers = [r for r in range(world_size) if node_of_rank[r] == node_of_rank[rank]]
+            workers = list(topology.ranks_of(topology.host_of(rank)))
             checkpointing.write_marker(
                 part, world_size=world_size, extra={**fields, "host": {"workers": workers}}
             )
@@ -234,7 +238,7 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
         results["reloaded"] = full_state_dict(model)
         results["reloaded_optimizer"] = _full_optimizer_state(model, optimizer)
     torch.save(results, out_dir / f"load{world_size}_rank{rank}.pt")
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def _reference(
@@ -262,7 +266,7 @@ def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("torch_backend")
-    mp.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
+    harness.spawn(_train_worker, args=(2, free_port(), str(out)), nprocs=2)
     return out
 
 
@@ -299,7 +303,7 @@ def one_worker() -> Any:
     try:
         yield make_mesh(1)
     finally:
-        dist.destroy_process_group()
+        close_process_groups()
 
 
 class _WithBuffers(nn.Module):
@@ -527,11 +531,11 @@ def test_metadata_unpickler_refuses_foreign_globals(tmp_path: Path, monkeypatch:
     dcp.save(
         {"w": torch.ones(3), "lr": 0.5}, storage_writer=dcp.FileSystemWriter(tmp_path / "ok"), no_dist=True
     )
-    metadata = torch_fsdp_checkpoint.read_metadata(tmp_path / "ok" / ".metadata")
+    metadata = safe_reading.read_metadata(tmp_path / "ok" / ".metadata")
     assert "w" in metadata.state_dict_metadata
     (tmp_path / "evil").write_bytes(pickle.dumps(_RunsCode()))
     with pytest.raises(CheckpointError, match="os.makedirs|posix.makedirs"):
-        torch_fsdp_checkpoint.read_metadata(tmp_path / "evil")
+        safe_reading.read_metadata(tmp_path / "evil")
     assert not canary.exists()
 
 
@@ -541,13 +545,13 @@ def test_non_tensor_values_load_with_weights_only(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("TORCH_BACKEND_TEST_CANARY", str(canary))
     dcp.save({"evil": _RunsCode()}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"), no_dist=True)
     assert not canary.exists()
-    reader = torch_fsdp_checkpoint._SafeFileSystemReader(tmp_path / "ck", {"__0_0.distcp"})
+    reader = safe_reading._SafeFileSystemReader(tmp_path / "ck", {"__0_0.distcp"})
     with pytest.raises(CheckpointError, match="weights_only"):
-        torch_fsdp_checkpoint._dcp_call(
+        safe_reading._dcp_call(
             dcp.load,
             {"evil": None},
             storage_reader=reader,
-            planner=torch_fsdp_checkpoint._SafeLoadPlanner(),
+            planner=safe_reading._SafeLoadPlanner(),
             no_dist=True,
         )
     assert not canary.exists()
@@ -596,7 +600,7 @@ def test_consolidated_checkpoint_loads_strictly_into_the_plain_model(trained: Pa
 def _load_on(trained: Path, world_size: int, hosts: int) -> List[Dict[str, Any]]:
     name = f"load{world_size}_rank0.pt"
     if not (trained / name).exists():
-        mp.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
+        harness.spawn(_load_worker, args=(world_size, free_port(), str(trained), hosts), nprocs=world_size)
     return _results(trained, f"load{world_size}", world_size)
 
 
@@ -689,7 +693,7 @@ def _copies_worker(rank: int, world_size: int, port: int, out: str) -> None:
     except CheckpointError as error:
         outcome = str(error)
     (Path(out) / f"outcome{rank}.txt").write_text(outcome)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path, tmp_path: Path) -> None:
@@ -705,7 +709,7 @@ def test_workers_reading_their_own_copies_check_every_file_of_each(trained: Path
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    mp.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         outcome = (tmp_path / f"outcome{rank}.txt").read_text()
         assert f"{data} has SHA-256" in outcome, outcome
@@ -751,7 +755,7 @@ def test_metadata_of_a_real_checkpoint_names_only_allowed_globals(trained: Path)
 
     Recording(io.BytesIO((trained / "checkpoint" / "dcp" / ".metadata").read_bytes())).load()
     dtypes = {(m, n) for m, n in seen if m == "torch" and isinstance(getattr(torch, n, None), torch.dtype)}
-    assert seen - dtypes <= torch_fsdp_checkpoint.METADATA_GLOBALS
+    assert seen - dtypes <= safe_reading.METADATA_GLOBALS
 
 
 def test_readme_shows_the_option_mapping() -> None:
@@ -800,3 +804,82 @@ def test_hybrid_sharding_needs_the_torch_backend() -> None:
 
     with pytest.raises(ConfigurationError, match="hybrid_sharding: true needs"):
         check_engine({"hybrid_sharding": True}, 2, None, True)
+
+
+def _other_blocks_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    _init(rank, world_size, port)
+    outcomes = {}
+    for blocks in (2, 4):
+        torch.manual_seed(0)
+        model = ToyRegressor(in_features=8, width=30, num_blocks=blocks)
+        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), make_mesh(world_size))
+        try:
+            load_sharded(Path(out) / "checkpoint", model, _optimizer(model))
+            outcomes[blocks] = "loaded"
+        except CheckpointError as error:
+            outcomes[blocks] = str(error)
+    torch.save(outcomes, Path(out) / f"blocks_rank{rank}.pt")
+    close_process_groups()
+
+
+def test_a_checkpoint_of_other_parameters_is_refused_naming_them(trained: Path, tmp_path: Path) -> None:
+    # The checkpoint has 3 blocks: DCP loaded the common parameters of 2 silently, and failed
+    # deep in its planner for 4.
+    import shutil
+
+    shutil.copytree(trained / "checkpoint", tmp_path / "checkpoint")
+    harness.spawn(_other_blocks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for outcomes in _results(tmp_path, "blocks", 2):
+        fewer, more = outcomes[2], outcomes[4]
+        assert "saved from a model with other parameters" in fewer and "\n" not in fewer
+        assert (
+            "in it are not this model's (blocks.2." in fewer and "of this model's are not in it" not in fewer
+        )
+        assert "of this model's are not in it (blocks.3." in more and "are not this model's" not in more
+
+
+class _Payload:
+    """Pickles to a call that would leave a marker file, were it ever unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("tampering", ["swapped data files", "data file a pickle", "metadata a pickle"])
+def test_tampered_files_with_matching_digests_are_one_line(
+    trained: Path, tmp_path: Path, tampering: str
+) -> None:
+    # Files replaced after the save and the marker's digests rewritten to match: DCP failed with
+    # 49-196 lines of CheckpointException (EOFError, AttributeError, "metadata is None" deep inside).
+    import shutil
+
+    marker = tmp_path / "payload_ran"
+    copy = tmp_path / "copy0"
+    shutil.copytree(trained / "checkpoint", copy)
+    dcp_dir = copy / "dcp"
+    if tampering == "swapped data files":
+        first, second = dcp_dir / "__0_0.distcp", dcp_dir / "__1_0.distcp"
+        first.rename(dcp_dir / "swap")
+        second.rename(first)
+        (dcp_dir / "swap").rename(second)
+    else:
+        target = dcp_dir / ("__1_0.distcp" if tampering == "data file a pickle" else ".metadata")
+        target.write_bytes(pickle.dumps(_Payload(marker)))
+    fields = checkpointing.read_marker(copy)
+    assert fields is not None
+    for name in fields["digests"]:
+        fields["digests"][name] = checkpointing.file_digest(copy / name)
+    checkpointing.write_marker(copy, world_size=fields.pop("world_size"), extra=fields)
+    shutil.copytree(copy, tmp_path / "copy1")
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
+        assert "\n" not in outcome and "Nothing in it was run" in outcome, outcome
+        expected = (
+            "names posix.system" if tampering == "metadata a pickle" else "swapped or replaced after the save"
+        )
+        assert expected in outcome, outcome
+    assert not marker.exists()

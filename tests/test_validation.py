@@ -252,6 +252,13 @@ CASES += [
         "each worker gets 10, fewer than batch_size 16 (with drop_last)",
         True,
     ),
+    (
+        "twenty examples, batches of 16, without drop_last: each batch would hold 10",
+        lambda config: (data(train_size=20)(config), loader(batch_size=16)(config)),
+        "ConfigurationError",
+        "each worker gets 10, fewer than batch_size 16, so every batch would hold 10 examples, not 16",
+        True,
+    ),
 ]
 
 MAIN_PROCESS_CASES = [case for case in CASES if case[4]]

@@ -10,8 +10,7 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import plan_wrapping, with_wrapped_modules
-from tango_fairscale.wrapping import silence_false_gradients_warning
+from tango_fairscale import FSDPConfig, WrapPlan, compat, plan_wrapping, with_wrapped_modules
 
 
 def toy() -> ToyRegressor:
@@ -61,7 +60,7 @@ def test_no_false_gradients_warning(silenced: bool) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if silenced:
-            silence_false_gradients_warning()
+            compat.silence_internal_warnings()
         model = with_wrapped_modules(toy(), {"input"}, activation_checkpointing=True)
         model(**batch())["loss"].backward()
     false_warnings = [w for w in caught if "Gradients will be None" in str(w.message)]
@@ -120,7 +119,7 @@ def test_model_without_parameters() -> None:
             super().__init__()
             self.inner = nn.ReLU()
 
-    with pytest.raises(ConfigurationError, match="Empty has no parameters"):
+    with pytest.raises(ConfigurationError, match=r"\(Empty\) has no parameters"):
         with_wrapped_modules(Empty(), {"inner"})  # type: ignore[arg-type]
 
 
@@ -142,3 +141,44 @@ def test_wrap_plan_is_the_one_selection() -> None:
     assert plan.checkpointed == frozenset({"blocks"})
     assert plan.fsdp_units == plan.selected
     assert WrapPlan.build(model, ["blocks"], fsdp=False).fsdp_units == ()
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tie_split_across_units_is_refused_naming_it() -> None:
+    model = _TiedLM()
+    # The embedding a unit of its own, the head (tied to it) in the root: two copies.
+    plan = WrapPlan.build(model, ["embed", "blocks\\.[0-9]+"])
+    with pytest.raises(ConfigurationError) as error:
+        plan.check_shared_parameters(model)
+    message = str(error.value)
+    assert "embed.weight in FSDP unit 'embed'" in message and "head.weight in the root FSDP unit" in message
+    assert "\n" not in message
+    # Both uses in one unit (here: the root), or a unit around both: kept tied, accepted.
+    WrapPlan.build(model, ["blocks\\.[0-9]+"]).check_shared_parameters(model)
+    # The refusal comes from the wrapper too, whichever the backend (it runs before deferral).
+    with pytest.raises(ConfigurationError, match="would be split across FSDP units"):
+        with_wrapped_modules(_TiedLM(), {"embed"}, fsdp_config=FSDPConfig())
+
+
+def test_frozen_and_trainable_parameters_in_one_flat_unit_are_refused() -> None:
+    model = _TiedLM()
+    model.blocks[0].weight.requires_grad_(False)
+    with_frozen_block = WrapPlan.build(model, ["blocks"])
+    with pytest.raises(ConfigurationError) as error:
+        with_frozen_block.check_uniform_requires_grad(model, units=True, root=True)
+    message = str(error.value)
+    assert "FSDP unit 'blocks' holds frozen parameters (blocks.0.weight)" in message
+    assert "trainable ones (blocks.0.bias, blocks.1.bias, blocks.1.weight)" in message
+    assert "flatten_parameters: false" in message and "\n" not in message
+    # Without flat parameters, or with the frozen layer a unit of its own, it is accepted.
+    with_frozen_block.check_uniform_requires_grad(model, units=False, root=True)
+    model.blocks[0].bias.requires_grad_(False)
+    WrapPlan.build(model, ["blocks\\.[0-9]+"]).check_uniform_requires_grad(model, units=True, root=True)

@@ -17,7 +17,7 @@ from.
 The model file also records, in ``"optimizer_keys"``, which flat parameter each optimizer
 state entry belongs to. With the shard padding in the metadata, that is enough to rebuild the
 full (unsharded) model and optimizer state offline, and to reshard both for another number of
-workers (:func:`reshard_model_weights`, :func:`reshard_optimizer_state`).
+workers (:mod:`tango_fairscale.backends.fairscale_fsdp.resharding`).
 """
 
 from ..errors import CheckpointError
@@ -29,10 +29,12 @@ from .files import (
     atomic_save,
     file_digest,
     fsync_directory,
+    io_failure,
     is_complete,
     load_model_shards,
     load_optimizer_shards,
     newest_complete_checkpoint,
+    os_error_in,
     read_marker,
     read_worker_state,
     require_complete,
@@ -45,16 +47,6 @@ from .files import (
     worker_file,
     write_marker,
 )
-from .resharding import (
-    check_same_parameter_shapes,
-    clean_parameter_name,
-    consolidate_model_state,
-    consolidate_optimizer_state,
-    module_aliases,
-    reshard_model_weights,
-    reshard_optimizer_state,
-    same_shapes,
-)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -63,25 +55,19 @@ __all__ = [
     "STATE_NAMES",
     "CheckpointError",
     "atomic_save",
-    "check_same_parameter_shapes",
     "file_digest",
-    "clean_parameter_name",
-    "consolidate_model_state",
-    "consolidate_optimizer_state",
     "fsync_directory",
+    "io_failure",
     "is_complete",
     "load_model_shards",
     "load_optimizer_shards",
-    "module_aliases",
     "newest_complete_checkpoint",
+    "os_error_in",
     "read_marker",
     "read_worker_state",
     "require_complete",
-    "reshard_model_weights",
-    "reshard_optimizer_state",
     "resolve_checkpoint",
     "safe_load",
-    "same_shapes",
     "saved_file_names",
     "verify_files",
     "with_header",

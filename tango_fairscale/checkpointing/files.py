@@ -4,6 +4,7 @@ marker, safe loading, and finding a complete checkpoint. See :mod:`tango_fairsca
 for the layout.
 """
 
+import errno
 import hashlib
 import json
 import mmap as mmap_module
@@ -74,6 +75,28 @@ class _HashingWriter:
         return {"size": self.size, "sha256": self._sha256.hexdigest()}
 
 
+def os_error_in(error: BaseException) -> Optional[OSError]:
+    """
+    The :class:`OSError` behind ``error``: itself, or one in its chain. ``torch.save`` turns a
+    failed write (a full disk) into ``RuntimeError: [enforce fail at inline_container.cc] ...
+    unexpected pos``, with the write's ``OSError`` only as its context.
+    """
+    seen = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def io_failure(operation: str, path: Path, error: OSError) -> CheckpointError:
+    """One line naming the operation, the path and the OS error: ``Cannot write P: ... (ENOSPC).``"""
+    code = errno.errorcode.get(error.errno or 0, str(error.errno))
+    return CheckpointError(f"Cannot {operation} {path}: {error.strerror or error} ({code}).")
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """
@@ -91,6 +114,13 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         fsync_directory(path.parent)
+    except Exception as error:
+        # A full disk, a read-only or vanished directory: one line naming the file and the OS
+        # error, not the serializer's internal message with the cause buried in its context.
+        failure = os_error_in(error)
+        if failure is None:
+            raise
+        raise io_failure("write", path, failure) from None
     finally:
         if tmp.exists():
             tmp.unlink()

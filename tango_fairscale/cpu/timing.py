@@ -1,7 +1,7 @@
 """
 Wall time in the all-gathers and reduce-scatters of FSDP units on CPU workers: both backends'
 rings (:mod:`tango_fairscale.cpu.collectives` for FairScale's FSDP,
-:mod:`tango_fairscale.cpu.fsdp2_collectives` for FSDP2) run inside :func:`timed`, which adds
+:mod:`tango_fairscale.backends.torch_fsdp2.collectives` for FSDP2) run inside :func:`timed`, which adds
 their seconds and calls to the process-wide :data:`COLLECTIVES` and names them for
 ``torch.profiler`` (``tango_fairscale::all_gather``, ``tango_fairscale::reduce_scatter``).
 

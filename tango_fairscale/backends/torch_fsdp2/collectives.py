@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .collectives import GlooCollectives, ring_compatible
-from .timing import timed
+from ...cpu.collectives import GlooCollectives, ring_compatible
+from ...cpu.timing import timed
 
 
 class _Allocate:

@@ -10,7 +10,7 @@ Layout of a checkpoint directory (``checkpoint_state_step<N>``)::
     dcp/__{r}_0.distcp       worker r's shards of the model and optimizer state
     worker{r}_{name}.pt      worker r's replicated extra states (trainer, lr_scheduler, ...),
                              written with tango_fairscale.checkpointing.atomic_save and a header
-    COMPLETE.json            written last, by the engine, from save_sharded's return value
+    COMPLETE.json            written last, by save_sharded (the commit sequence of both backends)
 
 DCP reshards on load: a checkpoint saved by N workers loads on M (any mesh).
 
@@ -41,29 +41,25 @@ keep such a directory from running code; the worst it can do is hold wrong numbe
 """
 
 import copy
-import io
 import logging
 import os
 import pickle
 import shutil
 import socket
 from pathlib import Path
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
     DefaultSavePlanner,
-    _EmptyStateDictLoadPlanner,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -73,8 +69,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import checkpointing
-from ..checkpointing.formats import (
+from ... import checkpointing, compat
+from ...checkpointing.commit import commit
+from ...checkpointing.formats import (
     DCP_DIR,
     MARKER_FIELDS,
     check_written_by,
@@ -82,162 +79,20 @@ from ..checkpointing.formats import (
     holds_worker_files,
     is_torch_checkpoint,
 )
-from ..checkpointing.streaming import TensorEntry
-from ..errors import CheckpointError
+from ...checkpointing.streaming import TensorEntry
+from ...errors import CheckpointError
+from ...topology import Topology
+from .safe_reading import (
+    METADATA_FILE,
+    METADATA_GLOBALS,
+    _dcp_call,
+    _SafeEmptyStateDictLoadPlanner,
+    _SafeFileSystemReader,
+    _SafeLoadPlanner,
+    read_metadata,
+)
 
 logger = logging.getLogger(__name__)
-
-#: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
-METADATA_FILE = ".metadata"
-
-#: The only globals ``.metadata`` may name: DCP's metadata classes, torch.Size, torch's dtypes (any
-#: ``torch.<name>`` that is a :class:`torch.dtype`, checked separately), the layout lookup and paths
-#: (``StorageMeta.checkpoint_id``). Calling any of them builds a plain value.
-METADATA_GLOBALS: Set[Tuple[str, str]] = {
-    *(
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *(
-        (module, name)
-        for module in ("pathlib", "pathlib._local")
-        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-    ),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: see :data:`METADATA_GLOBALS`."""
-
-    def __init__(self, file: Any, path: Path) -> None:
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(
-            f"Refusing to load {self._path}: it names {module}.{name}, which is not part of DCP's checkpoint "
-            "metadata, so it may run code. Nothing in it was run."
-        )
-
-
-def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata file at ``path``, unpickled with :class:`_MetadataUnpickler`."""
-    with open(path, "rb") as handle:
-        try:
-            metadata = _MetadataUnpickler(handle, path).load()
-        except CheckpointError:
-            raise
-        except Exception as error:  # noqa: BLE001 - truncated or not a pickle: damage, not a crash
-            raise CheckpointError(f"Cannot read {path}: {type(error).__name__}: {error}") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__}).")
-    return metadata
-
-
-class _SafeFileSystemReader(dcp.FileSystemReader):
-    """
-    DCP's file reader with :func:`read_metadata` in place of ``pickle.load``, and with every data
-    file the metadata names checked against ``allowed`` (the files the marker lists and that were
-    verified), so that a path in the metadata cannot reach outside the checkpoint.
-    """
-
-    def __init__(self, path: Path, allowed: Set[str], verified: Optional[Set[str]] = None) -> None:
-        super().__init__(path)
-        self._directory = Path(path)
-        self._allowed = allowed
-        self._verified = allowed if verified is None else verified
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        # A host's part of a checkpoint across hosts: only this worker's own files were checked,
-        # and they hold all it needs unless the layout changed; never read an unchecked file.
-        for item in plan.items:
-            name = self.storage_data[item.storage_index].relative_path
-            if name not in self._verified:
-                raise CheckpointError(
-                    f"{self._directory} is a host's part of a checkpoint across hosts, and loading it here "
-                    f"needs {name}, which another host wrote: the sharding changed since the save (another "
-                    "number of hosts or workers, or hybrid_sharding switched). Resume it as it was saved, or "
-                    "copy every host's files of it into one directory to load it with another sharding."
-                )
-        return super().read_data(plan, planner)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError("Per-rank DCP metadata is not used by this package's checkpoints.")
-        metadata = read_metadata(self._directory / METADATA_FILE)
-        named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-        foreign = sorted(str(name) for name in named if name not in self._allowed)
-        if foreign:
-            raise CheckpointError(
-                f"{self._directory / METADATA_FILE} refers to files that are not listed in the checkpoint's "
-                f"{checkpointing.MARKER}: {foreign[:5]}. The checkpoint was altered; use an untouched one."
-            )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        assert metadata.storage_meta is not None
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (DCP's uses ``False``)."""
-    try:
-        loaded = torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"Refusing to load the checkpoint value {read_item.dest_index.fqn!r}: it is not a plain value "
-            f"that loads with weights_only=True. Nothing in it was run. ({str(error).splitlines()[0]})"
-        ) from None
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
-    else:
-        planner.state_dict[read_item.dest_index.fqn] = loaded
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, loading non-tensor values with ``weights_only=True``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _load_bytes_safely(self, read_item, value)
-
-
-class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
-    """The planner of ``dcp_to_torch_save`` (state dict rebuilt from the metadata), loading safely."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _load_bytes_safely(self, read_item, value)
-
-
-def _dcp_call(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """
-    Call a DCP function, turning its :class:`CheckpointException` (a ``BaseException`` that
-    gathers every worker's failure) into this package's :class:`CheckpointError` when one of the
-    failures is ours (a refused file or value), so that callers see one error type.
-    """
-    try:
-        return function(*args, **kwargs)
-    except CheckpointException as error:
-        ours = [failure for failure, _ in error.failures.values() if isinstance(failure, CheckpointError)]
-        if ours:
-            raise CheckpointError(str(ours[0])) from None
-        raise
 
 
 def _require_torch_marker(
@@ -370,6 +225,9 @@ class _PerHostSavePlanner(DefaultSavePlanner):
         return self._dedup_save_plans(all_plans), metadata
 
 
+compat.check_dcp_planner_overrides(_PerHostSavePlanner)
+
+
 class _PerHostWriter(dcp.FileSystemWriter):
     """
     DCP's file writer whose coordinator builds one metadata per host (:attr:`per_host`), each
@@ -422,82 +280,114 @@ def save_sharded(
     extra_states: Optional[Mapping[str, Any]] = None,
     *,
     step: Optional[int] = None,
-    node_of_rank: Optional[Sequence[int]] = None,
+    topology: Optional[Topology] = None,
+    complete_part: Optional[Callable[[Path, Dict[str, Any]], None]] = None,
 ) -> Dict[str, Any]:
     """
     Save an FSDP2 model's and optimizer's shards with DCP, and this worker's ``extra_states``
     (name -> state, e.g. ``{"trainer": ..., "lr_scheduler": ...}``, replicated or per-worker
-    values of plain types) as ``worker{rank}_{name}.pt``. Collective: every worker calls it.
+    values of plain types) as ``worker{rank}_{name}.pt``, and mark the checkpoint complete
+    (:func:`tango_fairscale.checkpointing.commit.commit`: the one commit sequence of both
+    backends). Collective: every worker calls it.
 
-    ``node_of_rank`` (each global rank's node rank) is for a launch across hosts: each host's
+    ``topology`` groups the workers by host for a launch across hosts: each host's
     ``checkpoint_dir`` is then its own (its own disk), and gets its workers' files and a DCP
-    metadata of its own (see the module's docstring). By default all workers share one directory.
+    metadata of its own (see the module's docstring); ``complete_part`` adds the part's fields to
+    each host's marker. By default all workers share one directory.
 
     Removes the directory's marker and any earlier DCP files first (a resumed run may save the
-    same step again). Returns, on every worker, the fields of the completion marker: the format,
-    ``world_size``, ``training_steps`` (``step``), the extra states' names (``files``) and every
-    file's size and SHA-256 (``digests``, gathered from all workers; ``dcp/.metadata`` this
-    host's). After this returns everywhere, every file is written: the caller marks the
-    checkpoint complete on one worker of each host, then waits for all::
-
-        fields = save_sharded(directory, model, optimizer, {"trainer": state}, step=step)
-        if rank == 0:  # across hosts: each host's first worker
-            checkpointing.write_marker(directory, world_size=fields["world_size"], extra=fields)
-        dist.barrier()
+    same step again). Returns, on every worker, the marker's fields: the format, ``world_size``,
+    ``training_steps`` (``step``), the extra states' names (``files``) and every file's size and
+    SHA-256 (``digests``; ``dcp/.metadata`` this host's).
     """
     checkpoint_dir = Path(checkpoint_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    nodes = list(node_of_rank) if node_of_rank is not None else [0] * world_size
-    if len(nodes) != world_size:
-        raise ValueError(f"save_sharded: node_of_rank has {len(nodes)} entries for {world_size} workers.")
-    # The first worker of each host maintains that host's directory.
-    keeper = nodes.index(nodes[rank]) == rank
+    topology = topology or Topology.one_host(world_size)
+    if topology.world_size != world_size:
+        raise ValueError(f"save_sharded: a topology of {topology.world_size} workers for {world_size}.")
     extra_states = dict(extra_states or {})
     for name in extra_states:
         if not name.isidentifier():
             raise ValueError(f"save_sharded: extra state names must be identifiers, got {name!r}.")
+    nodes = [topology.host_of(r) for r in range(world_size)]
     dcp_dir = checkpoint_dir / DCP_DIR
-    if keeper:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        # The checkpoint stops counting before any file in it changes.
-        (checkpoint_dir / checkpointing.MARKER).unlink(missing_ok=True)
-        if dcp_dir.exists():
-            shutil.rmtree(dcp_dir)
-    dist.barrier()
-    writer = _PerHostWriter(dcp_dir, nodes)
-    dcp.save(_training_state(model, optimizer), storage_writer=writer, planner=_PerHostSavePlanner(nodes))
-    # Each host's metadata, from the coordinator (rank 0), which wrote its own host's.
-    per_host: List[Any] = [writer.per_host]
-    if len(set(nodes)) > 1:
-        dist.broadcast_object_list(per_host, src=0)
-        if keeper and nodes[rank] != nodes[0]:
-            _write_host_metadata(dcp_dir, per_host[0][nodes[rank]])
-    digests: Dict[str, Dict[str, Any]] = {}
-    # DCP names each worker's data file by its rank.
-    for path in sorted(dcp_dir.glob(f"__{rank}_*.distcp")):
-        digests[f"{DCP_DIR}/{path.name}"] = checkpointing.file_digest(path)
-    for name, state in extra_states.items():
-        path = checkpointing.worker_file(checkpoint_dir, rank, name)
-        digests[path.name] = checkpointing.atomic_save(
-            checkpointing.with_header(state, kind=name, rank=rank, world_size=world_size, step=step), path
-        )
-    metadata_name = f"{DCP_DIR}/{METADATA_FILE}"
-    if keeper:
-        digests[metadata_name] = checkpointing.file_digest(dcp_dir / METADATA_FILE)
-    gathered: List[Optional[Dict[str, Dict[str, Any]]]] = [None] * world_size
-    dist.all_gather_object(gathered, digests)
-    merged: Dict[str, Dict[str, Any]] = {}
-    for part in gathered:
-        merged.update(part or {})
-    # Each host's marker lists its own metadata, digested by the host's first worker.
-    merged[metadata_name] = (gathered[nodes.index(nodes[rank])] or {})[metadata_name]
-    return {
-        **MARKER_FIELDS,
-        "world_size": world_size,
-        "training_steps": step,
-        "files": sorted(extra_states),
-        "digests": dict(sorted(merged.items())),
+
+    def write() -> Dict[str, Dict[str, Any]]:
+        writer = _PerHostWriter(dcp_dir, nodes)
+        try:
+            dcp.save(
+                _training_state(model, optimizer), storage_writer=writer, planner=_PerHostSavePlanner(nodes)
+            )
+        except CheckpointException as error:
+            # DCP gathers every worker's failure; a full disk (or any OS error) becomes one line.
+            failures = [checkpointing.os_error_in(failure) for failure, _ in error.failures.values()]
+            found = next((failure for failure in failures if failure is not None), None)
+            if found is None:
+                raise
+            raise checkpointing.io_failure("write", dcp_dir, found) from None
+        # Each host's metadata, from the coordinator (rank 0), which wrote its own host's.
+        per_host: List[Any] = [writer.per_host]
+        if topology.num_hosts > 1:
+            dist.broadcast_object_list(per_host, src=0)
+            if topology.is_leader(rank) and nodes[rank] != nodes[0]:
+                _write_host_metadata(dcp_dir, per_host[0][nodes[rank]])
+        digests: Dict[str, Dict[str, Any]] = {}
+        # DCP names each worker's data file by its rank.
+        for path in sorted(dcp_dir.glob(f"__{rank}_*.distcp")):
+            digests[f"{DCP_DIR}/{path.name}"] = checkpointing.file_digest(path)
+        for name, state in extra_states.items():
+            path = checkpointing.worker_file(checkpoint_dir, rank, name)
+            digests[path.name] = checkpointing.atomic_save(
+                checkpointing.with_header(state, kind=name, rank=rank, world_size=world_size, step=step), path
+            )
+        if topology.is_leader(rank):
+            # Each host's marker lists its own metadata (commit's merge keeps the leader's digest).
+            digests[f"{DCP_DIR}/{METADATA_FILE}"] = checkpointing.file_digest(dcp_dir / METADATA_FILE)
+        return digests
+
+    return commit(
+        checkpoint_dir,
+        topology,
+        rank,
+        write,
+        {**MARKER_FIELDS, "training_steps": step, "files": sorted(extra_states)},
+        clear=[DCP_DIR],
+        complete_part=complete_part,
+    )
+
+
+def _check_same_parameters(metadata: Metadata, model_state: Mapping[str, Any], checkpoint_dir: Path) -> None:
+    """
+    A checkpoint of a model with other parameters: DCP would load the common ones and silently
+    leave the rest (fewer saved), or fail deep inside its planner (more saved). Refused, naming
+    what is missing and what is extra.
+    """
+    saved = {
+        key[len("model.") :]
+        for key, value in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)
     }
+    expected = {key for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    missing, extra = sorted(expected - saved), sorted(saved - expected)
+    if missing or extra:
+        raise CheckpointError(
+            f"{checkpoint_dir} was saved from a model with other parameters: "
+            + "; ".join(
+                part
+                for part in (
+                    f"{len(missing)} of this model's are not in it ({', '.join(missing[:5])}"
+                    f"{', ...' if len(missing) > 5 else ''})"
+                    if missing
+                    else "",
+                    f"{len(extra)} in it are not this model's ({', '.join(extra[:5])}"
+                    f"{', ...' if len(extra) > 5 else ''})"
+                    if extra
+                    else "",
+                )
+                if part
+            )
+            + ". Resume it with the model it was saved from."
+        )
 
 
 def load_sharded(
@@ -530,6 +420,10 @@ def load_sharded(
     _agree(error)
     allowed, readable = _verify_dcp_files(checkpoint_dir, marker, hashes)
     state = _training_state(model, optimizer)
+    # Checked on every worker alike (same metadata, same model), so all raise or none does.
+    _check_same_parameters(
+        read_metadata(checkpoint_dir / DCP_DIR / METADATA_FILE), state["model"], checkpoint_dir
+    )
     _dcp_call(
         dcp.load,
         state,

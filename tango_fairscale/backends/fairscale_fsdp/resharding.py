@@ -9,8 +9,8 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointError
-from .streaming import TensorEntry
+from ...checkpointing.streaming import TensorEntry
+from ...errors import CheckpointError
 
 _FSDP_PATH_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 

@@ -1,0 +1,181 @@
+"""
+The interface every sharding backend implements, and what the engine hands it.
+
+The engine (:class:`~tango_fairscale.FairScaleTrainingEngine`) is Tango's adapter: it turns
+Tango's calls (build the model, backward, clip, save, load, write ``weights.pt``) into calls of
+one :class:`Backend`, chosen by name (:func:`tango_fairscale.backends.backend_class`), and holds no
+branch on which one. What both backends share is written once, outside them: the commit of a
+checkpoint (:mod:`tango_fairscale.checkpointing.commit`), the resume point
+(:mod:`tango_fairscale.resume`), the streaming of ``weights.pt``
+(:mod:`tango_fairscale.checkpointing.streaming`).
+"""
+
+import dataclasses
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Mapping, Optional, Protocol, Sequence, Union
+
+import torch
+import torch.nn as nn
+from tango.common import Lazy
+from tango.integrations.torch import Model, TrainConfig
+
+from .. import multihost
+from ..checkpointing.streaming import TensorEntry
+from ..config import FSDPConfig
+from ..launch import HostWorld
+from ..topology import Topology
+
+
+class ModelSource(Protocol):
+    """A consolidated model state dict, one tensor at a time (either backend's checkpoint)."""
+
+    @property
+    def entries(self) -> Sequence[TensorEntry]: ...
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass
+class BackendContext:
+    """What a backend needs of the engine's configuration and of the run's workers."""
+
+    #: The worker's Tango ``TrainConfig`` (across hosts, the global one).
+    train_config: TrainConfig
+    #: The root unit's FSDP options.
+    fsdp_config: FSDPConfig
+    #: Build the model on ``meta`` and allocate each unit right before it is sharded.
+    init_on_meta: bool
+    #: Shard within each host, replicate across hosts (torch backend only).
+    hybrid_sharding: bool
+    #: Check every checkpoint file's SHA-256 before reading it.
+    verify_checkpoints: bool
+    #: The hosts of a launch across hosts, ``None`` on one host.
+    hosts: Optional[HostWorld]
+    #: Whether the workers compute on CPUs (gloo) rather than GPUs (NCCL).
+    on_cpu: bool
+
+    @property
+    def topology(self) -> Topology:
+        if self.hosts is not None:
+            return self.hosts.topology
+        return Topology.one_host(self.train_config.world_size)
+
+    @property
+    def rank(self) -> int:
+        return self.train_config.worker_id
+
+    def complete_part(self) -> Optional[Callable[[Path, Dict[str, Any]], None]]:
+        """What a host's leader adds to its marker across hosts (see :mod:`tango_fairscale.multihost`)."""
+        if self.hosts is None:
+            return None
+        hosts = self.hosts
+        return lambda checkpoint_dir, fields: multihost.complete_part(checkpoint_dir, hosts, fields)
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """What a backend restored into the model and optimizer, and the rest for the engine to apply."""
+
+    #: The replicated states by name (``trainer``, ``lr_scheduler``, ``grad_scaler``), those saved.
+    states: Dict[str, Any]
+    #: The worker's random generator states, ``None`` when resharded (they do not map onto new workers).
+    random_state: Optional[Dict[str, Any]]
+    #: Whether the checkpoint was saved by another number of workers.
+    resharded: bool
+
+
+class Backend(ABC):
+    """One FSDP implementation: how a model is sharded, trained, saved, loaded and consolidated."""
+
+    #: The name in ``training_engine.backend``.
+    name: ClassVar[str]
+    #: Whether ``hybrid_sharding`` (shards within a host, replicas across hosts) is possible.
+    supports_hybrid_sharding: ClassVar[bool] = False
+    #: Whether a unit's parameters become one flat tensor (with ``flatten_parameters``), which is
+    #: frozen or trainable as a whole.
+    flattens_units: ClassVar[bool] = False
+
+    def __init__(self, context: BackendContext) -> None:
+        self.context = context
+
+    # --- options ---------------------------------------------------------------------------------
+
+    @classmethod
+    def check_options(cls, fsdp_config: FSDPConfig, where: str) -> None:
+        """Refuse, naming the field, every ``fsdp_config`` field this backend cannot honour."""
+        return None  # by default every field is honoured
+
+    @classmethod
+    def check_wrapper_options(cls, wrapper: Mapping[str, Any]) -> None:
+        """Refuse, naming the field, ``with_wrapped_modules`` options this backend cannot honour."""
+        return None  # by default every option is honoured
+
+    # --- training --------------------------------------------------------------------------------
+
+    @abstractmethod
+    def build(self, model: Union[Model, Lazy[Model]]) -> nn.Module:
+        """Construct (if lazy) and shard the model by its wrap plan; return the sharded model."""
+
+    @abstractmethod
+    def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
+        """The loss scaler for AMP in ``amp_dtype`` (``None`` where nothing needs scaling)."""
+
+    @abstractmethod
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        """Backward passes inside keep their gradients local (no reduce-scatter)."""
+
+    @abstractmethod
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> None:
+        """Clip the gradients to a total norm of ``max_norm``, computed across all shards."""
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def save(
+        self,
+        checkpoint_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        states: Mapping[str, Any],
+        step: Optional[int],
+    ) -> None:
+        """
+        Save a checkpoint through :func:`tango_fairscale.checkpointing.commit.commit`: the model's
+        and optimizer's shards in the backend's format, and ``states`` (name -> replicated or
+        per-worker state) as this worker's files. Collective.
+        """
+
+    @abstractmethod
+    def load(
+        self, checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> LoadedCheckpoint:
+        """
+        Load a checkpoint of this backend (resolved) into ``model`` and ``optimizer``, resharding
+        from another number of workers; every file checked before anything is applied, and a bad
+        one a :class:`~tango_fairscale.errors.CheckpointError` on every worker. Collective.
+        """
+
+    @abstractmethod
+    def write_weights(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        """
+        Write the plain model's state dict of ``checkpoint_dir`` to ``weights_path`` one tensor
+        at a time, on each host's leader (across hosts, after fetching the other hosts' files).
+        """
+
+    @classmethod
+    @abstractmethod
+    def model_source(cls, checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
+        """The plain model's state dict of a complete checkpoint of this backend, one tensor at a time."""
+
+    @classmethod
+    @abstractmethod
+    def consolidate(
+        cls, checkpoint_dir: Path, *, with_optimizer: bool, progress: Optional[Callable[[], None]] = None
+    ) -> Dict[str, Any]:
+        """The plain model's (with ``with_optimizer``, and the optimizer's) state dict of a checkpoint."""
+
+    @classmethod
+    @abstractmethod
+    def files_to_read(cls, marker: Mapping[str, Any], with_optimizer: bool) -> int:
+        """How many times :meth:`consolidate` calls ``progress``."""

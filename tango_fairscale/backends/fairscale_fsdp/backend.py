@@ -1,0 +1,340 @@
+"""
+FairScale's FSDP (flat per-unit shards) as a :class:`~tango_fairscale.backends.base.Backend`: the
+default backend. Its checkpoints are one set of ``worker{r}_*.pt`` files per worker, resharded
+for another number of workers by :mod:`.resharding`'s arithmetic.
+"""
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.optim.grad_scaler import ShardedGradScaler
+from tango.common import Lazy, Tqdm
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
+
+from ... import checkpointing, multihost
+from ...checkpointing.commit import Digests, commit
+from ...checkpointing.formats import check_written_by, holds_worker_files
+from ...checkpointing.streaming import stream_save
+from ...devices import worker_computes_on_cpu
+from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta
+from ...wrapping import refuse_mixed_requires_grad, require_parameters
+from ..base import Backend, LoadedCheckpoint, ModelSource
+from .resharding import (
+    ConsolidatedModel,
+    check_same_parameter_shapes,
+    clean_parameter_name,
+    consolidate_model_state,
+    consolidate_optimizer_state,
+    module_aliases,
+    reshard_model_weights,
+    reshard_optimizer_state,
+    same_shapes,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The states besides the replicated ones that every worker saves: its shards.
+SHARDED_STATES = ("model", "optimizer")
+
+
+class FairScaleBackend(Backend):
+    """FairScale's :class:`~fairscale.nn.FullyShardedDataParallel`, on GPUs (NCCL) and CPU workers (gloo)."""
+
+    name = "fairscale"
+    supports_hybrid_sharding = False
+    flattens_units = True
+
+    #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
+    module_aliases: List[Any] = []
+
+    # --- training --------------------------------------------------------------------------------
+
+    def build(self, model: Union[Model, Lazy[Model]]) -> nn.Module:
+        context = self.context
+        if isinstance(model, Lazy):
+            with parameters_on_meta() if context.init_on_meta else nullcontext():
+                model = model.construct()
+        require_parameters(model)
+        if has_meta_parameters(model):
+            # What with_wrapped_modules did not already allocate unit by unit: the root's own.
+            # FairScale expects offloaded parameters to start on the CPU.
+            device = (
+                torch.device("cpu")
+                if context.fsdp_config.move_params_to_cpu
+                else context.train_config.worker_local_default_device
+            )
+            materialize_module(model, device, root=model)
+        if not worker_computes_on_cpu() and not context.fsdp_config.move_params_to_cpu:
+            model.to(context.train_config.worker_local_default_device)
+        self.module_aliases = module_aliases(model)
+        if context.fsdp_config.flatten_parameters:
+            # The root unit's own parameters: those with_wrapped_modules left outside its units.
+            refuse_mixed_requires_grad(
+                "", ((n, p) for n, p in model.named_parameters() if "_fsdp_wrapped_module" not in n)
+            )
+        return context.fsdp_config.wrap(model)
+
+    def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
+        # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
+        return ShardedGradScaler() if amp_dtype == torch.float16 else None
+
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> None:
+        if not worker_computes_on_cpu():
+            model.clip_grad_norm_(max_norm)  # type: ignore[operator]
+            return
+        # FairScale's clip_grad_norm_ moves the norm to CUDA; on CPU workers compute the same
+        # thing here: every worker holds a disjoint shard (padding is zero), so the squared
+        # norms add up across workers.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float32)
+        for grad in grads:
+            local += grad.detach().float().pow(2).sum()
+        dist.all_reduce(local)
+        total_norm = local.sqrt()
+        clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.detach().mul_(clip_coef.to(grad.dtype))
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _optimizer_keys(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
+        """The local state-dict key of each parameter, in the optimizer's state order."""
+        names = {id(p): clean_parameter_name(n) for n, p in model.named_parameters()}
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def save(
+        self,
+        checkpoint_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        states: Mapping[str, Any],
+        step: Optional[int],
+    ) -> None:
+        fsdp: FSDP = model  # type: ignore[assignment]
+        config = self.context.train_config
+        rank = config.worker_id
+
+        def write() -> Digests:
+            files: Dict[str, Any] = {
+                "model": {
+                    "weights": fsdp.local_state_dict(),
+                    "metadata": fsdp.local_metadata_dict(),
+                    "optimizer_keys": self._optimizer_keys(model, optimizer),
+                    "module_aliases": self.module_aliases,
+                },
+                "optimizer": optimizer.state_dict(),
+                **states,
+            }
+            digests: Digests = {}
+            for name, state in Tqdm.tqdm(
+                files.items(), desc=f"Saving checkpoint {checkpoint_dir.name}", leave=False, disable=rank != 0
+            ):
+                digests.update(self.write_file(checkpoint_dir, name, state, step))
+            return digests
+
+        commit(
+            checkpoint_dir,
+            self.context.topology,
+            rank,
+            write,
+            {"training_steps": step, "files": sorted([*SHARDED_STATES, *states])},
+            complete_part=self.context.complete_part(),
+        )
+
+    def write_file(self, checkpoint_dir: Path, name: str, state: Any, step: Optional[int]) -> Digests:
+        """
+        Write one of this worker's checkpoint files (``name`` is ``"model"``, ``"optimizer"``, ...),
+        with the header that ties it to this worker, world size and step; return its digest.
+        """
+        config = self.context.train_config
+        path = checkpointing.worker_file(checkpoint_dir, config.worker_id, name)
+        state = checkpointing.with_header(
+            state, kind=name, rank=config.worker_id, world_size=config.world_size, step=step
+        )
+        return {path.name: checkpointing.atomic_save(state, path)}
+
+    def _loadable_marker(self, checkpoint_dir: Path) -> Dict[str, Any]:
+        """
+        The marker of a checkpoint this worker can load: a complete one, or (across hosts) this
+        host's part of one of the same world size that holds this worker's files, which is all
+        a worker reads when nothing is resharded.
+        """
+        config = self.context.train_config
+        marker = checkpointing.read_marker(checkpoint_dir) if checkpoint_dir.is_dir() else None
+        if marker is not None:
+            check_written_by(checkpoint_dir, marker, self.name)
+            if self.context.hosts is not None and holds_worker_files(
+                checkpoint_dir, marker, config.world_size, config.worker_id
+            ):
+                return marker
+        try:
+            return checkpointing.require_complete(checkpoint_dir)
+        except checkpointing.CheckpointError as error:
+            raise multihost.explain_part(error, checkpoint_dir) from None
+
+    def load(
+        self, checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> LoadedCheckpoint:
+        marker = self._loadable_marker(checkpoint_dir)
+        saved_world_size = marker["world_size"]
+        config = self.context.train_config
+        worker, world_size = config.worker_id, config.world_size
+        # Replicated state (scheduler, scaler, trainer) is the same in every worker's file;
+        # a worker that did not exist in the saved run reads worker 0's.
+        source_worker = worker if worker < saved_world_size else 0
+        saved_names = checkpointing.saved_file_names(marker)
+        verify = self.context.verify_checkpoints
+
+        def load(name: str, from_worker: int = source_worker, mmap: bool = False, hashes: bool = True) -> Any:
+            # Checked against the marker's size and SHA-256 and the file's own header.
+            return checkpointing.read_worker_state(
+                checkpoint_dir, marker, from_worker, name, mmap=mmap, hashes=hashes and verify
+            )
+
+        fsdp: FSDP = model  # type: ignore[assignment]
+        local_weights = fsdp.local_state_dict()
+        # Everything is read and checked before anything is applied, and the workers agree on the
+        # outcome: a worker that finds a bad file must not leave the others waiting in a collective.
+        try:
+            own_model = load("model")
+            check_same_parameter_shapes(own_model["metadata"], fsdp.local_metadata_dict())
+            same_layout = saved_world_size == world_size and same_shapes(own_model["weights"], local_weights)
+            if same_layout:
+                model_shards, optimizer_shards = [own_model], [load("optimizer")]
+            else:
+                # Every worker needs a slice of every saved file: mapped, not read whole, so that a
+                # host running N workers does not hold N copies of the full model and optimizer.
+                # Each file's SHA-256 is checked by one worker, not all.
+                model_shards = [
+                    load("model", w, mmap=True, hashes=w % world_size == worker)
+                    for w in range(saved_world_size)
+                ]
+                optimizer_shards = [
+                    load("optimizer", w, mmap=True, hashes=w % world_size == worker)
+                    for w in range(saved_world_size)
+                ]
+            _check_same_optimizer(optimizer_shards[0], optimizer, checkpoint_dir)
+            states: Dict[str, Any] = {
+                name: load(name)
+                for name in ("lr_scheduler", "grad_scaler", "trainer")
+                if name in saved_names or name == "trainer"
+            }
+            saved_random_state = (
+                load("random_state")
+                if "random_state" in saved_names and saved_world_size == world_size
+                else None
+            )
+            problem = None
+        except checkpointing.CheckpointError as error:
+            problem = str(error)
+        problems: List[Optional[str]] = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        found = [(rank, text) for rank, text in enumerate(problems) if text is not None]
+        if found:
+            rank, text = found[0]
+            raise checkpointing.CheckpointError(
+                f"Cannot resume from {checkpoint_dir} (found by worker {rank}"
+                f"{f' and {len(found) - 1} other(s)' if len(found) > 1 else ''}): {text}"
+            )
+
+        if same_layout:
+            fsdp.load_local_state_dict(own_model["weights"])
+            optimizer.load_state_dict(optimizer_shards[0])
+        else:
+            logger.info(
+                "Resharding checkpoint %s from %d to %d workers", checkpoint_dir, saved_world_size, world_size
+            )
+            fsdp.load_local_state_dict(reshard_model_weights(model_shards, local_weights, worker))
+            optimizer.load_state_dict(
+                reshard_optimizer_state(
+                    model_shards,
+                    optimizer_shards,
+                    local_weights,
+                    self._optimizer_keys(model, optimizer),
+                    worker,
+                )
+            )
+        return LoadedCheckpoint(states, saved_random_state, resharded=saved_world_size != world_size)
+
+    def write_weights(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        hosts, verify = self.context.hosts, self.context.verify_checkpoints
+        if hosts is None:
+            source = self.model_source(checkpoint_dir, hashes=verify)
+        else:
+            # Tango calls this on each host's first worker only (is_local_main_process): they
+            # exchange what they lack, so every host's weights.pt is the whole model.
+            source = ConsolidatedModel(multihost.gather_model_shards(checkpoint_dir, hosts, hashes=verify))
+        stream_save(source.entries, source.produce, weights_path)
+
+    @classmethod
+    def model_source(cls, checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
+        marker = checkpointing.require_complete(checkpoint_dir)
+        shards = [
+            # Mapped and shared: the pages are the page cache's, not this process's private memory.
+            checkpointing.read_worker_state(
+                checkpoint_dir, marker, worker, "model", mmap=True, shared=True, hashes=hashes
+            )
+            for worker in range(marker["world_size"])
+        ]
+        return ConsolidatedModel(shards)
+
+    @classmethod
+    def consolidate(
+        cls, checkpoint_dir: Path, *, with_optimizer: bool, progress: Optional[Callable[[], None]] = None
+    ) -> Dict[str, Any]:
+        marker = checkpointing.require_complete(checkpoint_dir)
+        kinds = ["model", "optimizer"] if with_optimizer else ["model"]
+        loaded: Dict[str, Any] = {kind: [] for kind in kinds}
+        for kind in kinds:
+            for worker in range(marker["world_size"]):
+                # Checked against the marker's sizes and hashes and the file's own header.
+                loaded[kind].append(checkpointing.read_worker_state(checkpoint_dir, marker, worker, kind))
+                if progress is not None:
+                    progress()
+        model_state: Dict[str, torch.Tensor] = consolidate_model_state(loaded["model"])
+        if not with_optimizer:
+            return model_state
+        return {
+            "model": model_state,
+            "optimizer": consolidate_optimizer_state(loaded["model"], loaded["optimizer"]),
+        }
+
+    @classmethod
+    def files_to_read(cls, marker: Mapping[str, Any], with_optimizer: bool) -> int:
+        return int(marker["world_size"]) * (2 if with_optimizer else 1)
+
+
+def _check_same_optimizer(
+    saved: Dict[str, Any], optimizer: torch.optim.Optimizer, checkpoint_dir: Path
+) -> None:
+    """A checkpoint of another optimizer (type or options) would fail deep in PyTorch with a KeyError."""
+    saved_groups, groups = saved.get("param_groups", []), optimizer.param_groups
+    saved_options = sorted(set(saved_groups[0]) - {"params"}) if saved_groups else []
+    options = sorted(set(groups[0]) - {"params"}) if groups else []
+    if len(saved_groups) != len(groups) or saved_options != options:
+        raise checkpointing.CheckpointError(
+            f"{checkpoint_dir} holds the state of another optimizer: {len(saved_groups)} parameter "
+            f"group(s) with options {saved_options}, where this run's {type(optimizer).__name__} "
+            f"has {len(groups)} with {options}. Resume with the optimizer it was saved with."
+        )
+
+
+def refuse_fairscale_units(model: nn.Module, backend: str) -> None:
+    """A model with FairScale FSDP units already in it cannot be sharded by another backend."""
+    if any(isinstance(module, FSDP) for module in model.modules()):
+        raise ConfigurationError(
+            f'training_engine.backend: "{backend}" got a model with FairScale FSDP units already in it: pass '
+            "the model to the engine unconstructed (as a config does), so that with_wrapped_modules "
+            'leaves its units to the torch backend, or use backend: "fairscale".'
+        )

@@ -1,0 +1,161 @@
+"""
+PyTorch's FSDP2 as a :class:`~tango_fairscale.backends.base.Backend` (``backend: "torch"``): the
+model sharded by :mod:`.sharding`, checkpoints through DCP (:mod:`.checkpoint`).
+"""
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+from tango.common import Lazy
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
+
+from ... import checkpointing, multihost
+from ...checkpointing.formats import dcp_files_of_worker
+from ...checkpointing.streaming import stream_save
+from ...materialize import parameters_on_meta
+from ...wrapping import WrapPlan, deferred_wrapping, recorded_plan, require_parameters
+from ..base import Backend, LoadedCheckpoint, ModelSource
+from ..fairscale_fsdp.backend import refuse_fairscale_units
+from . import checkpoint, sharding
+
+logger = logging.getLogger(__name__)
+
+
+class TorchBackend(Backend):
+    """PyTorch's :func:`~torch.distributed.fsdp.fully_shard` (FSDP2), each parameter a sharded DTensor."""
+
+    name = "torch"
+    supports_hybrid_sharding = True
+
+    @classmethod
+    def check_options(cls, fsdp_config: Any, where: str) -> None:
+        sharding.check_options(fsdp_config, where=where)
+
+    @classmethod
+    def check_wrapper_options(cls, wrapper: Mapping[str, Any]) -> None:
+        if wrapper.get("offload_activations"):
+            raise ConfigurationError(
+                "model.offload_activations: not supported by the torch backend (torch's checkpoint wrapper "
+                'has no activation offload); remove it or use backend: "fairscale".'
+            )
+
+    # --- training --------------------------------------------------------------------------------
+
+    def build(self, model: Union[Model, Lazy[Model]]) -> nn.Module:
+        """Build the model with its wrap plan recorded, then shard it by the plan."""
+        context = self.context
+        if isinstance(model, Lazy):
+            with deferred_wrapping(), parameters_on_meta() if context.init_on_meta else nullcontext():
+                model = model.construct()
+        else:
+            refuse_fairscale_units(model, self.name)
+        require_parameters(model)
+        plan, unit_config = recorded_plan(model)
+        if plan is None:  # not built by with_wrapped_modules: FSDP on the root only
+            plan = WrapPlan(selected=(), checkpointed=frozenset(), fsdp=False)
+        # Hybrid sharding: a 2-D mesh, shards within each host, replicas across hosts.
+        topology = context.topology
+        hosts = topology.num_hosts if context.hybrid_sharding else 1
+        mesh = sharding.make_mesh(topology.world_size, hosts)
+        if context.rank == 0:
+            logger.info(
+                "Sharding over the device mesh %s %s",
+                mesh.mesh_dim_names,
+                " x ".join(str(size) for size in mesh.shape),
+            )
+        return sharding.shard_model(model, plan, unit_config, context.fsdp_config, mesh)
+
+    def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
+        return sharding.make_grad_scaler(amp_dtype, "cpu" if self.context.on_cpu else "cuda")
+
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        return sharding.no_sync(model)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> None:
+        sharding.clip_grad_norm_(model, max_norm)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save(
+        self,
+        checkpoint_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        states: Mapping[str, Any],
+        step: Optional[int],
+    ) -> None:
+        # The model and optimizer shards through DCP, the rest per worker, then the marker.
+        checkpoint.save_sharded(
+            checkpoint_dir,
+            model,
+            optimizer,
+            states,
+            step=step,
+            topology=self.context.topology,
+            complete_part=self.context.complete_part(),
+        )
+
+    def load(
+        self, checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> LoadedCheckpoint:
+        # DCP reads each worker's part of the saved shards, for any number of workers.
+        try:
+            states = checkpoint.load_sharded(
+                checkpoint_dir, model, optimizer, hashes=self.context.verify_checkpoints
+            )
+        except checkpointing.CheckpointError as error:
+            raise multihost.explain_part(error, checkpoint_dir) from None
+        marker = checkpointing.read_marker(checkpoint_dir)
+        assert marker is not None  # load_sharded checked it
+        world_size = self.context.train_config.world_size
+        resharded = marker["world_size"] != world_size
+        if resharded:
+            logger.info(
+                "Resharding checkpoint %s from %d to %d workers",
+                checkpoint_dir,
+                marker["world_size"],
+                world_size,
+            )
+        random_state = states.pop("random_state", None)
+        return LoadedCheckpoint(states, None if resharded else random_state, resharded=resharded)
+
+    def write_weights(self, checkpoint_dir: Path, weights_path: Path) -> None:
+        hosts, verify = self.context.hosts, self.context.verify_checkpoints
+        if hosts is None:
+            source = self.model_source(checkpoint_dir, hashes=verify)
+            stream_save(source.entries, source.produce, weights_path)
+            return
+        # Each host's leader fetches the DCP data files it lacks (one per worker: save_sharded
+        # writes single_file_per_rank; they hold the optimizer state besides the model's).
+        with multihost.received_files_dir(checkpoint_dir) as received_dir:
+            multihost.receive_missing_files(
+                checkpoint_dir,
+                hosts,
+                lambda marker, rank: next(iter(dcp_files_of_worker(marker, rank)), None),
+                received_dir,
+            )
+            part = checkpoint.dcp_part_model_source(checkpoint_dir, received_dir, hashes=verify)
+            stream_save(part.entries, part.produce, weights_path)
+
+    @classmethod
+    def model_source(cls, checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
+        return checkpoint.dcp_model_source(checkpoint_dir, hashes=hashes)
+
+    @classmethod
+    def consolidate(
+        cls, checkpoint_dir: Path, *, with_optimizer: bool, progress: Optional[Callable[[], None]] = None
+    ) -> Dict[str, Any]:
+        # DCP reads every worker's file in one call.
+        result = checkpoint.consolidate_dcp(checkpoint_dir, with_optimizer=with_optimizer)
+        if progress is not None:
+            progress()
+        return result
+
+    @classmethod
+    def files_to_read(cls, marker: Mapping[str, Any], with_optimizer: bool) -> int:
+        return 1

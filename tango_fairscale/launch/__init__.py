@@ -1,0 +1,111 @@
+"""
+How the workers of a ``torch::train`` step find each other, on one host or on several.
+
+**One host.** Tango's step starts its workers' process group at ``127.0.0.1:distributed_port``
+(default 54761). Two runs on one machine with the default would collide with ``EADDRINUSE`` in
+every worker. :func:`rendezvous_store` runs in the main process, before the workers are
+spawned, and serves the rendezvous store itself.
+
+**Several hosts.** Each host runs one ``tango run`` under a launcher (``torchrun
+--nproc-per-node=1`` or ``srun --ntasks-per-node=1``), and each of those spawns
+``device_count`` workers, so the world has ``hosts x device_count`` workers and the global rank
+of a worker is ``node_rank x device_count + local_rank``. What this package decides:
+
+- :func:`detect_launch` reads the launcher's environment (pure; tested with dicts). Without a
+  launcher, or with a launch of one host, it returns ``None`` and nothing changes.
+- :func:`host_rendezvous` runs in every host's ``tango`` process before its workers start. Host
+  0's serves a fresh rendezvous store for this attempt, on a port of its own (torchrun's agent
+  already listens on ``MASTER_PORT``) that it publishes through the agent's store under a
+  generation number; under SLURM it serves at ``MASTER_ADDR:MASTER_PORT``. A fresh store per
+  attempt means no key of an earlier attempt (``torchrun --max-restarts``) can be read by a new
+  one. The hosts register there, check that they agree (same step, same ``device_count``, each
+  its own work directory), and learn which other hosts' work directories they can read (a
+  shared filesystem): the :class:`HostWorld` every worker of the host then gets.
+- :class:`HostMonitor`: heartbeats between the hosts' ``tango`` processes through that store,
+  so that a host that disappears is named, and the workers of the others are stopped within
+  seconds even when no collective notices (a host that loses power sends no FIN).
+- :func:`worker_train_config` and :func:`worker_environment`: what a spawned worker's
+  ``TrainConfig`` and environment become (global rank and world size, devices indexed per
+  host, ``is_local_main_process`` true for each host's first worker).
+- :func:`stop_workers_on_signals`: SIGINT or SIGTERM to a ``tango`` process stops its workers.
+
+By concern: :mod:`.store` (one host's store), :mod:`.launchers` (torchrun and SLURM),
+:mod:`.network` (the interface gloo uses), :mod:`.world` (the hosts of one attempt, a worker's
+``TrainConfig``), :mod:`.rendezvous` and :mod:`.failures` (the hosts meet, and name the host that
+failed), :mod:`.monitor` (heartbeats), :mod:`.signals` (stopping the workers).
+"""
+
+from .failures import HostFailedError, HostLostError
+from .launchers import (
+    DEFAULT_HOST_TIMEOUT,
+    DEFAULT_RENDEZVOUS_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HOST_TIMEOUT_VARIABLE,
+    MULTIHOST_VARIABLE,
+    RENDEZVOUS_TIMEOUT_VARIABLE,
+    SHARED_CHECKPOINTS_VARIABLE,
+    SLURM_PORT_BASE,
+    SLURM_PORT_SPAN,
+    WORLD_VARIABLE,
+    Launch,
+    detect_launch,
+    expand_nodelist,
+)
+from .monitor import HostMonitor
+from .network import (
+    interface_addresses,
+    interface_with_address,
+    local_address_towards,
+    socket_interface_environment,
+)
+from .rendezvous import HostSession, check_hosts, host_rendezvous
+from .signals import die_with_parent, environment, stop_workers_on_signals, terminate_workers
+from .store import AGENT_STORE_VARIABLE, LOCAL_ADDRESS, free_port, rendezvous_store
+from .world import (
+    HostInfo,
+    HostTrainConfig,
+    HostWorld,
+    seconds_from_environment,
+    worker_environment,
+    worker_train_config,
+)
+
+__all__ = [
+    "AGENT_STORE_VARIABLE",
+    "DEFAULT_HOST_TIMEOUT",
+    "DEFAULT_RENDEZVOUS_TIMEOUT",
+    "HEARTBEAT_INTERVAL",
+    "HOST_TIMEOUT_VARIABLE",
+    "HostFailedError",
+    "HostInfo",
+    "HostLostError",
+    "HostMonitor",
+    "HostSession",
+    "HostTrainConfig",
+    "HostWorld",
+    "LOCAL_ADDRESS",
+    "Launch",
+    "MULTIHOST_VARIABLE",
+    "RENDEZVOUS_TIMEOUT_VARIABLE",
+    "SHARED_CHECKPOINTS_VARIABLE",
+    "SLURM_PORT_BASE",
+    "SLURM_PORT_SPAN",
+    "WORLD_VARIABLE",
+    "check_hosts",
+    "detect_launch",
+    "die_with_parent",
+    "environment",
+    "expand_nodelist",
+    "free_port",
+    "host_rendezvous",
+    "interface_addresses",
+    "interface_with_address",
+    "local_address_towards",
+    "rendezvous_store",
+    "seconds_from_environment",
+    "socket_interface_environment",
+    "stop_workers_on_signals",
+    "terminate_workers",
+    "worker_environment",
+    "worker_train_config",
+]

@@ -1,0 +1,328 @@
+"""
+Several hosts: the rendezvous of the hosts' ``tango`` processes, and the session that names a
+lost or failed host.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+from tango.common.exceptions import ConfigurationError
+
+from .failures import HostFailedError, HostLostError, _first_line
+from .launchers import (
+    DEFAULT_HOST_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HOST_TIMEOUT_VARIABLE,
+    RENDEZVOUS_TIMEOUT_VARIABLE,
+    SHARED_CHECKPOINTS_VARIABLE,
+    Launch,
+)
+from .monitor import HostMonitor
+from .network import local_address_towards
+from .store import _get, _reachable, _store
+from .world import HostInfo, HostWorld, seconds_from_environment
+
+logger = logging.getLogger(__name__)
+
+
+_TOKEN_DIRECTORY = ".tango_fairscale_hosts"
+
+
+def _serve(launch: Launch, address: str, timeout: float) -> dist.TCPStore:
+    # Under torchrun, the agent's own store listens on MASTER_PORT: take a free port and publish it.
+    port = 0 if launch.agent_store else launch.master_port
+    try:
+        return _store(address, port, timeout, server=True)
+    except (RuntimeError, OSError) as error:
+        raise ConfigurationError(
+            f"Host 0 cannot serve the rendezvous store on port {port} ({error}). Set MASTER_PORT to a free "
+            "port, the same on every host."
+        ) from None
+
+
+def _claim(store: dist.Store, node_rank: int) -> bool:
+    """Register as ``node_rank`` in this attempt's store; ``False`` when it was claimed already."""
+    return int(store.add(f"join/{node_rank}", 1)) == 1
+
+
+def _join(launch: Launch, prefix: str, timeout: float) -> dist.TCPStore:
+    """A non-zero host: connect to the store host 0 serves for the current attempt; claim the node rank."""
+    deadline = time.monotonic() + timeout
+    if not launch.agent_store:
+        while time.monotonic() < deadline:
+            if _reachable(launch.master_addr, launch.master_port):
+                store = _store(launch.master_addr, launch.master_port, timeout)
+                if not _claim(store, launch.node_rank):
+                    raise ConfigurationError(
+                        f"Two tango processes claim node rank {launch.node_rank} (SLURM_NODEID): run one "
+                        "per host (srun --ntasks-per-node=1)."
+                    )
+                return store
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"Host 0's rendezvous store at {launch.master_addr}:{launch.master_port} did not answer within "
+            f"{timeout:.0f} s ({RENDEZVOUS_TIMEOUT_VARIABLE}). Is tango running on host 0, is the port open?"
+        )
+    agent = _store(launch.master_addr, launch.master_port, timeout)
+    skipped = 0
+    while time.monotonic() < deadline:
+        generation_text, address, port_text = _get(agent, f"{prefix}/endpoint", deadline).split()
+        generation, port = int(generation_text), int(port_text)
+        if generation > skipped and _reachable(address, port):
+            store = _store(address, port, timeout)
+            if _claim(store, launch.node_rank):
+                return store
+            # This node rank joined that attempt already: we are its restart (torchrun restarted
+            # this host's tango), and host 0 will publish a new attempt once its own restarts.
+            skipped = generation
+        # Not published yet, or the published store belongs to an attempt that has ended.
+        time.sleep(0.5)
+    raise TimeoutError(
+        f"No rendezvous store of host 0 answered within {timeout:.0f} s ({RENDEZVOUS_TIMEOUT_VARIABLE})."
+    )
+
+
+def _write_token(work_dir: Path, node_rank: int, token: str) -> None:
+    directory = Path(work_dir) / _TOKEN_DIRECTORY
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"node{node_rank}").write_text(token)
+
+
+def _sees(work_dir: str, node_rank: int, token: str) -> bool:
+    """Whether host ``node_rank``'s work directory is readable here (its token file holds ``token``)."""
+    try:
+        return (Path(work_dir) / _TOKEN_DIRECTORY / f"node{node_rank}").read_text() == token
+    except OSError:
+        return False
+
+
+def check_hosts(hosts: Sequence[HostInfo], node_rank: int) -> None:
+    """Refuse hosts that run another step or ``device_count``, or that share a work directory."""
+    mine = hosts[node_rank]
+    # The most specific difference first: device_count and the version change the step id too.
+    for other, info in enumerate(hosts):
+        if info.version != mine.version:
+            raise ConfigurationError(
+                f"Host {other} ({info.hostname}) runs tango-fairscale {info.version} where host {node_rank} "
+                f"runs {mine.version}: install the same version on every host."
+            )
+        if info.device_count != mine.device_count:
+            raise ConfigurationError(
+                f"device_count: host {other} ({info.hostname}) has {info.device_count} workers, host "
+                f"{node_rank} has {mine.device_count}. device_count is the number of workers per host and "
+                "must be the same on every host."
+            )
+        if info.step_id != mine.step_id:
+            raise ConfigurationError(
+                f"Host {other} ({info.hostname}) runs step {info.step_id} where host {node_rank} runs "
+                f"{mine.step_id}: the step's config differs between the hosts (the id is a hash of every "
+                "value in it). Every host must run the same config."
+            )
+        if other != node_rank and _sees(mine.work_dir, other, info.token):
+            raise ConfigurationError(
+                f"Hosts {node_rank} and {other} use the same work directory {mine.work_dir}: give each host "
+                "its own Tango workspace (-w), e.g. one directory per host on a shared filesystem."
+            )
+
+
+class HostSession:
+    """
+    This host's side of a launch across hosts, for the life of one training step. Every host
+    reports how its step ended (``state/N`` in the store); a host is done once it has read every
+    other host's report or found it lost (``done/N``). Host 0's store, which carries all of this,
+    stays up until every host is done, so that no host mistakes its closing for host 0's loss.
+    """
+
+    def __init__(
+        self, launch: Launch, world: HostWorld, store: dist.TCPStore, server: Optional[dist.TCPStore]
+    ) -> None:
+        self.launch = launch
+        self.world = world
+        self.store = store
+        self._server = server
+        self._reported = False
+        self.monitor = HostMonitor(
+            world,
+            host_timeout=seconds_from_environment(os.environ, HOST_TIMEOUT_VARIABLE, DEFAULT_HOST_TIMEOUT),
+        )
+
+    def report(self, state: str) -> None:
+        """
+        Tell the other hosts that this one ``"ended"`` or ``"failed: why"``. Failures are
+        numbered in the order the hosts report them (``"failed 1: why"``): the first is the one
+        the others' errors name (theirs broke because its workers stopped).
+        """
+        self._reported = True
+        try:
+            if state.startswith("failed"):
+                state = f"failed {int(self.store.add('failures', 1))}{state[len('failed') :]}"
+            self.store.set(f"state/{self.world.node_rank}", state)
+        except Exception:  # noqa: BLE001 - host 0, and the store with it, may be gone
+            pass
+
+    def wait_for_others(self, timeout: float) -> None:
+        """Wait until every other host has ended, failed or been found lost, or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.monitor.all_settled() and not self.monitor.stopped():
+            time.sleep(0.2)
+
+    def failure(self, error: BaseException) -> Optional[RuntimeError]:
+        """
+        After this host's workers failed: report it, wait for the other hosts to settle, and
+        return the error that names the host at the origin: a lost host (:class:`HostLostError`),
+        or one that reported its failure before this one (:class:`HostFailedError`). ``None``:
+        this host failed first, and its workers' own error says what happened.
+        """
+        self.report(f"failed: {_first_line(error)}")
+        self.wait_for_others(self._settle_timeout)
+        me = self.world.node_rank
+        rerun = (
+            "Run the same command on every host again: training resumes from the newest checkpoint "
+            "complete on all hosts."
+        )
+        lost = self.monitor.lost()
+        if lost:
+            described = "; ".join(f"{self.world.describe(node)}: {why}" for node, why in sorted(lost.items()))
+            return HostLostError(
+                f"Training stopped on host {me} because it lost {described}. This host's workers were "
+                f"stopped. {rerun}"
+            )
+        first = _first_failure(self.monitor.states(), self._own_failure_order())
+        if first is None:
+            return None
+        node, why = first
+        return HostFailedError(
+            f"Training stopped on host {me} because {self.world.describe(node)} failed first: {why}. {rerun}"
+        )
+
+    def _own_failure_order(self) -> int:
+        try:
+            return _failure_order(self.store.get(f"state/{self.world.node_rank}").decode())
+        except Exception:  # noqa: BLE001 - host 0's store is gone
+            return 0
+
+    @property
+    def _settle_timeout(self) -> float:
+        # A host that neither reports nor sends heartbeats is lost after host_timeout.
+        return self.monitor.host_timeout + 3 * HEARTBEAT_INTERVAL
+
+    def close(self, succeeded: bool) -> None:
+        """At the end of the step: report how it ended (if not yet), and wait as the class says."""
+        if not self._reported:
+            self.report("ended" if succeeded else "failed: interrupted")
+        # After a success the others follow shortly, or are found lost; after a failure they
+        # fail too (their collectives break), or are found lost.
+        self.wait_for_others(float("inf") if succeeded else self._settle_timeout)
+        me = self.world.node_rank
+        if self._server is None:
+            self.monitor.stop()
+            try:
+                self.store.set(f"done/{me}", "1")
+            except Exception:  # noqa: BLE001 - host 0 is gone
+                pass
+            return
+        waiting = [f"done/{node}" for node in range(self.world.num_nodes) if node != me]
+        waiting = [key for key in waiting if int(key.split("/")[1]) not in self.monitor.lost()]
+        deadline = time.monotonic() + self._settle_timeout
+        while waiting and time.monotonic() < deadline and not self.store.check(waiting):
+            time.sleep(0.2)
+        self.monitor.stop()
+
+
+def _failure_order(state: str) -> int:
+    """The number of a ``"failed N: why"`` report (0 for anything else)."""
+    match = re.match(r"failed (\d+)", state)
+    return int(match.group(1)) if match else 0
+
+
+def _first_failure(states: Mapping[int, str], own_order: int) -> Optional[Tuple[int, str]]:
+    """The host that reported its failure first, before ``own_order``, with why; ``None`` if none did."""
+    failures = [
+        (_failure_order(state), node, state) for node, state in states.items() if _failure_order(state)
+    ]
+    if not failures:
+        return None
+    order, node, state = min(failures)
+    if own_order and order > own_order:
+        return None
+    return node, state.split(": ", 1)[1] if ": " in state else state
+
+
+@contextmanager
+def host_rendezvous(
+    launch: Launch, *, step_id: str, work_dir: Path, device_count: int, timeout: float
+) -> Iterator[HostSession]:
+    """
+    Meet the other hosts' ``tango`` processes for this step (see the module docstring), and yield
+    this host's :class:`HostSession`. Host 0 serves the attempt's store until every host is done.
+    """
+    address = local_address_towards(launch.master_addr, launch.master_port)
+    # Not the step's id: hosts whose configs differ (and so their step ids) must still meet, to be
+    # told so, rather than each wait for a store the other never publishes.
+    prefix = "tango_fairscale/hosts"
+    server: Optional[dist.TCPStore] = None
+    if launch.node_rank == 0:
+        server = _serve(launch, address, timeout)
+        server.set("attempt", uuid.uuid4().hex)
+        _claim(server, 0)
+        if launch.agent_store:
+            agent = _store(launch.master_addr, launch.master_port, timeout)
+            generation = int(agent.add(f"{prefix}/generation", 1))
+            agent.set(f"{prefix}/endpoint", f"{generation} {address} {server.port}")
+        store, store_address, store_port = server, address, int(server.port)
+        logger.info("Serving the rendezvous of %d hosts at %s:%d", launch.num_nodes, address, store_port)
+    else:
+        store = _join(launch, prefix, timeout)
+        store_address, store_port = store.host, int(store.port)
+    deadline = time.monotonic() + timeout
+    attempt = _get(store, "attempt", deadline)
+    token = uuid.uuid4().hex
+    _write_token(work_dir, launch.node_rank, token)
+    mine = HostInfo(
+        socket.gethostname(), address, str(Path(work_dir).resolve()), device_count, step_id, token
+    )
+    store.set(f"info/{launch.node_rank}", json.dumps(dataclasses.asdict(mine)))
+    hosts = tuple(
+        HostInfo(**json.loads(_get(store, f"info/{node}", deadline))) for node in range(launch.num_nodes)
+    )
+    check_hosts(hosts, launch.node_rank)
+    shared = os.environ.get(SHARED_CHECKPOINTS_VARIABLE, "1") != "0"
+    world = HostWorld(
+        node_rank=launch.node_rank,
+        local_world_size=device_count,
+        store_address=store_address,
+        store_port=store_port,
+        attempt=attempt,
+        hosts=hosts,
+        visible=tuple(
+            node == launch.node_rank or (shared and _sees(info.work_dir, node, info.token))
+            for node, info in enumerate(hosts)
+        ),
+    )
+    logger.info(
+        "Host %d of %d (%s): global ranks %d-%d; checkpoints here %s",
+        launch.node_rank,
+        launch.num_nodes,
+        launch.launcher,
+        world.ranks_of(launch.node_rank).start,
+        world.ranks_of(launch.node_rank).stop - 1,
+        "complete (the other hosts' files hard-linked in)" if all(world.visible) else "this host's parts",
+    )
+    session = HostSession(launch, world, store, server)
+    session.monitor.start()
+    succeeded = False
+    try:
+        yield session
+        succeeded = True
+    finally:
+        session.close(succeeded)

@@ -1,0 +1,180 @@
+"""
+What this package adds to Tango's ``torch::train`` step, as plain functions: the integration
+boundary (:mod:`tango_fairscale.compat`, patches T1 and T2) rebinds Tango's step and worker
+functions to call :func:`run_step` and :func:`run_worker` with the originals, and does nothing else.
+
+- :func:`run_step`, in Tango's main process: the package re-imported in the workers, the engine's
+  callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
+  host (the rendezvous store served from here) or a launch across hosts.
+- :func:`run_worker`, in each spawned worker: dies with its main process; across hosts, its
+  global rank and ``TrainConfig``; its process groups closed once it finished.
+"""
+
+import logging
+import os
+from typing import Any, Callable, Dict, List, Tuple
+
+from tango.common import Lazy
+from tango.common.exceptions import ConfigurationError
+
+from . import compat
+from . import launch as launching
+from .callbacks import RestoreRandomState
+from .metrics import MetricsLog
+from .preflight import preflight, uses_fairscale_engine
+from .step_result import FinalModelOnMeta, finish_result
+from .teardown import close_process_groups
+
+logger = logging.getLogger(__name__)
+
+#: The package the spawned workers must import.
+PACKAGE = "tango_fairscale"
+#: ``torch::train``'s default ``distributed_port``.
+TANGO_DEFAULT_PORT = 54761
+
+
+def with_engine_callbacks(callbacks: Any) -> List[Any]:
+    """
+    The callbacks every step on the engine gets, after the config's own (Tango pairs saved
+    callback states with callbacks by position): the per-step metrics log, unless the config has
+    one, and the restoring of the random generators on resume.
+    """
+    callbacks = list(callbacks or [])
+    has_metrics = any(
+        isinstance(callback, Lazy)
+        and (
+            getattr(callback, "_constructor", None) is MetricsLog
+            or getattr(callback, "_params", {}).get("type") == "fairscale::metrics"  # type: ignore[union-attr]
+        )
+        for callback in callbacks
+    )
+    if not has_metrics:
+        callbacks.append(Lazy(MetricsLog))
+    callbacks.append(Lazy(RestoreRandomState))
+    return callbacks
+
+
+def run_step(
+    original: Callable[..., Any],
+    step: Any,
+    model: Any,
+    training_engine: Any,
+    dataset_dict: Any,
+    train_dataloader: Any,
+    **kwargs: Any,
+) -> Any:
+    """Tango's ``TorchTrainStep._train`` (``original``) of ``step``, with what this package adds (T1)."""
+    # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
+    compat.extra_imported_modules().add(PACKAGE)
+    on_fairscale = uses_fairscale_engine(training_engine)
+    if on_fairscale:
+        kwargs["callbacks"] = with_engine_callbacks(kwargs.get("callbacks"))
+    args: Tuple[Any, ...] = (model, training_engine, dataset_dict, train_dataloader)
+    devices = kwargs.get("devices")
+    distributed = bool(devices and len(devices) > 1)
+    launch = launching.detect_launch(os.environ) if distributed else None
+    if launch is not None and not on_fairscale:
+        raise ConfigurationError(
+            f"tango runs under {launch.launcher} as host {launch.node_rank} of {launch.num_nodes}, "
+            f'but step {step.name!r} does not use the "fairscale" training engine: training across '
+            "hosts is what that engine adds. Use it, or run without the launcher (or with "
+            "TANGO_FAIRSCALE_MULTIHOST=0, to train on each host separately)."
+        )
+    if on_fairscale:
+        # (b) Across hosts, the world the data is split over is every host's workers.
+        world: Dict[str, Any] = (
+            {"devices": list(devices) * launch.num_nodes, "hosts": launch.num_nodes}
+            if launch is not None and devices
+            else {}
+        )
+        preflight(
+            model=model,
+            training_engine=training_engine,
+            dataset_dict=dataset_dict,
+            train_dataloader=train_dataloader,
+            work_dir=step.work_dir,
+            **{**kwargs, **world},
+        )
+    if not distributed:
+        return original(step, *args, **kwargs)
+    if on_fairscale and isinstance(model, Lazy):
+        # (f) The final model in this process: on meta, the weights assigned, not copied.
+        args = (FinalModelOnMeta(model), *args[1:])
+    if launch is not None:
+        return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
+    # (c) Served from this process for the life of the step (see tango_fairscale.launch).
+    configured = getattr(step, "_config", None) or {}
+    with (
+        launching.rendezvous_store(
+            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+            set_in_config="distributed_port" in configured,
+        ) as port,
+        launching.stop_workers_on_signals(),
+    ):
+        kwargs["distributed_port"] = port
+        return finish_result(original(step, *args, **kwargs))
+
+
+def _train_across_hosts(
+    step: Any, launch: Any, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """(d): run the step as this host's part of a launch across hosts (see :mod:`.launch`)."""
+    devices = kwargs["devices"]
+    timeout = launching.seconds_from_environment(
+        os.environ, launching.RENDEZVOUS_TIMEOUT_VARIABLE, launching.DEFAULT_RENDEZVOUS_TIMEOUT
+    )
+    with launching.host_rendezvous(
+        launch, step_id=step.unique_id, work_dir=step.work_dir, device_count=len(devices), timeout=timeout
+    ) as session:
+        world = session.world
+        interface = launching.socket_interface_environment(
+            os.environ, world.hosts[world.node_rank].address, launching.interface_addresses()
+        )
+        if not interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            logger.warning(
+                "No network interface here has address %s (the one that reaches MASTER_ADDR %s): gloo "
+                "picks one from the host name. Set GLOO_SOCKET_IFNAME if the hosts cannot connect.",
+                world.hosts[world.node_rank].address,
+                launch.master_addr,
+            )
+        updates = {
+            launching.WORLD_VARIABLE: world.to_json(),
+            launching.AGENT_STORE_VARIABLE: str(True),
+            **interface,
+        }
+        with launching.environment(updates), launching.stop_workers_on_signals():
+            try:
+                return original(step, *args, **kwargs)
+            except Exception as error:
+                # The error of the host where it started (lost, or failed first), if not this one.
+                origin = session.failure(error)
+                if origin is not None:
+                    raise origin from error
+                raise
+
+
+def run_worker(
+    original: Callable[..., Any], process_index: int, workspace: Any, config: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """
+    Tango's worker function (``original``), which ``mp.spawn`` runs with the index of the process
+    on this host (T2). Distributed workers die with the process that spawned them. In a launch
+    across hosts the index becomes the global rank, and the worker's ``TrainConfig`` the global one
+    (:func:`tango_fairscale.launch.worker_train_config`). A worker that finished closes its process
+    groups before it exits.
+    """
+    world = launching.HostWorld.from_environment(os.environ)
+    if getattr(config, "is_distributed", False):
+        launching.die_with_parent()
+    if world is None or not getattr(config, "is_distributed", False):
+        result = original(process_index, workspace, config, *args, **kwargs)
+    else:
+        os.environ.update(launching.worker_environment(world, process_index))
+        host_config = launching.worker_train_config(config, world)
+        result = original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
+    # Tango leaves the process group to interpreter shutdown, where a gloo thread finishing the
+    # last collective could ask for the GIL and abort the worker (SIGABRT) after everything was
+    # written: see tango_fairscale.teardown. Only on success: a worker that raised may have a peer
+    # inside a collective with it, and its error must reach the main process without waiting.
+    close_process_groups()
+    return result

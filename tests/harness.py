@@ -1,0 +1,447 @@
+"""
+Training in the test process's own workers instead of a ``tango run``: 2 (or more) gloo workers,
+each running jobs one after another and leaving what they found in files that the test reads. A
+``tango run`` spends 10 to 13 s starting the CLI, the step graph and workers that import torch;
+these workers are forked, in milliseconds, from a server process (:mod:`multiprocessing`'s
+forkserver) that imported torch, Tango, FairScale and the package once per test session.
+
+Two kinds of job:
+
+- :class:`Train`: Tango's own ``torch::train`` worker loop (``tango.integrations.torch.train._train``,
+  as a ``tango run`` worker runs it) on the training step of an experiment from
+  :func:`tests.helpers.train_config`, in a work directory of the test's choosing: the engine is
+  constructed from the config, resumes from ``checkpoint_state_latest`` as Tango does, and writes
+  checkpoints, ``weights.pt`` and whatever the config's callbacks write, where a ``tango run``
+  would. What the ``tango run`` adds and these jobs leave out: the CLI, Tango's step cache and
+  workspace, and the main process's part of the step (pre-flight, the port's rendezvous store,
+  the step's result): what ``tests/test_equivalence.py``, ``tests/test_readme.py`` and the other
+  end-to-end tests keep running.
+- :class:`Call`: a function of the test's, ``function(worker, *args)``, on every worker, which
+  builds :class:`~tango_fairscale.FairScaleTrainingEngine` directly
+  (:meth:`Worker.engine`), trains it (:meth:`Worker.train`), saves and loads checkpoints, and
+  returns what the test should see (state dicts, numbers; picklable).
+
+A job's exception does not end its worker: it is recorded (type, message and traceback), with the
+worker's log lines, and the worker goes on to its next job with a new process group. A worker that
+dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's exit code.
+
+:func:`spawn` is ``torch.multiprocessing.spawn`` on these workers, for the multi-process unit tests.
+"""
+
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch._dynamo  # noqa: F401 - imported by the first optimizer otherwise: 2 s in every worker
+import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - the torch backend's checkpoints
+import torch.distributed.fsdp  # noqa: F401 - the torch backend
+import torch.multiprocessing as mp
+from tango.common import Lazy, Params
+from tango.integrations.torch import DataLoader, Model, TrainCallback, TrainConfig, TrainingEngine
+from tango.integrations.torch.util import set_seed_all
+
+import examples.toy.components  # noqa: F401 - registers the toy model and data step
+import tests.components  # noqa: F401 - registers the test components
+from tango_fairscale import FairScaleTrainingEngine
+from tests.helpers import REPO, free_port
+
+# The workers' server imports this module by name with the test process's sys.path, whose
+# relative entries resolve against the server's working directory: make the repository's absolute.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+Experiment = Dict[str, Any]
+
+#: Seconds a run of jobs may take before its workers are killed and the test fails.
+DEFAULT_TIMEOUT = 300.0
+#: What a job's collectives may wait for the other workers: a job that leaves one worker waiting
+#: fails within this, not after the engine's default of 300 s.
+COLLECTIVE_TIMEOUT = 60
+
+
+@dataclass(frozen=True)
+class Train:
+    """Tango's ``torch::train`` worker loop on ``experiment``'s training step, in ``work_dir``."""
+
+    experiment: Experiment
+    work_dir: Path
+    #: The training step's name in the experiment.
+    step: str = "train"
+
+
+@dataclass(frozen=True)
+class Call:
+    """``function(worker, *args)`` on every worker; what it returns is that worker's value."""
+
+    function: Callable[..., Any]
+    args: Tuple[Any, ...] = ()
+
+
+Job = Union[Train, Call]
+
+
+@dataclass
+class WorkerResult:
+    """What one worker left of one job."""
+
+    value: Any = None
+    #: ``"ExceptionType: message"`` of the exception the job raised, if any.
+    error: Optional[str] = None
+    traceback: Optional[str] = None
+    #: The job's log messages (level INFO and up), formatted.
+    logs: List[str] = field(default_factory=list)
+
+
+@dataclass
+class JobResult:
+    """Every worker's result of one job, by rank (``None`` for a worker that died before it ended)."""
+
+    workers: List[Optional[WorkerResult]]
+    #: Each worker's exit code for the whole run (negative: killed by that signal).
+    exitcodes: List[Optional[int]]
+
+    @property
+    def values(self) -> List[Any]:
+        return [w.value if w is not None else None for w in self.workers]
+
+    @property
+    def errors(self) -> List[Optional[str]]:
+        return [w.error if w is not None else None for w in self.workers]
+
+    @property
+    def logs(self) -> str:
+        """Every worker's log lines, worker by worker."""
+        return "\n".join(line for w in self.workers if w is not None for line in w.logs)
+
+    def describe(self) -> str:
+        parts = [f"exit codes {self.exitcodes}"]
+        for rank, worker in enumerate(self.workers):
+            if worker is None:
+                parts.append(f"--- worker {rank}: no result (it died before the job ended)")
+            elif worker.error is not None:
+                parts.append(f"--- worker {rank}: {worker.traceback}")
+        parts.append("--- logs ---\n" + self.logs[-6000:])
+        return "\n".join(parts)
+
+    def check(self, exited: bool = True) -> "JobResult":
+        """
+        This result, after asserting that every worker finished the job without an error (and, with
+        ``exited``, that every worker then exited normally: false for a job a later one killed).
+        """
+        assert all(w is not None and w.error is None for w in self.workers), self.describe()
+        if exited:
+            assert all(code == 0 for code in self.exitcodes), self.describe()
+        return self
+
+
+def run(
+    jobs: Sequence[Job], world_size: int = 2, *, out: Path, timeout: float = DEFAULT_TIMEOUT
+) -> List[JobResult]:
+    """
+    Run ``jobs`` in order on ``world_size`` new worker processes; their results go through files in
+    ``out`` (a directory of its own). Fails the test when the workers do not end within ``timeout``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in jobs]
+    # Forked from a server process that imported this module (and so torch, Tango, FairScale and
+    # the package) once: a worker starts in milliseconds instead of seconds. Not forked from the
+    # test process itself, whose OpenMP threads a forked child must not inherit.
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    context = mp.start_processes(
+        _worker,
+        args=(world_size, list(jobs), ports, str(out)),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
+    )
+    exitcodes = _wait(context.processes, timeout)
+    results = []
+    for index in range(len(jobs)):
+        workers: List[Optional[WorkerResult]] = []
+        for rank in range(world_size):
+            path = out / f"job{index}_rank{rank}.pt"
+            workers.append(torch.load(path, weights_only=False) if path.exists() else None)
+        results.append(JobResult(workers, exitcodes))
+    return results
+
+
+def train(experiment: Experiment, work_dir: Path, world_size: int = 2, **kwargs: Any) -> JobResult:
+    """One :class:`Train` job on new workers; asserts that every worker finished it."""
+    (result,) = run(
+        [Train(experiment, work_dir)], world_size, out=work_dir.parent / f"{work_dir.name}.harness", **kwargs
+    )
+    return result.check()
+
+
+def spawn(
+    function: Callable[..., Any],
+    args: Tuple[Any, ...] = (),
+    nprocs: int = 2,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """
+    What ``torch.multiprocessing.spawn(function, args, nprocs)`` does, ``function(rank, *args)`` in
+    each of ``nprocs`` processes, in this module's workers (started in milliseconds, not seconds):
+    raises when a worker raised or died.
+    """
+    with tempfile.TemporaryDirectory(prefix="harness-") as out:
+        (result,) = run([Call(_call_spawned, (function, args))], nprocs, out=Path(out), timeout=timeout)
+    assert all(w is not None and w.error is None for w in result.workers), result.describe()
+    assert all(code == 0 for code in result.exitcodes), result.describe()
+
+
+def _wait(processes: Sequence[Any], timeout: float) -> List[Optional[int]]:
+    deadline = _now() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - _now()))
+    alive = [process for process in processes if process.is_alive()]
+    for process in alive:
+        process.kill()
+        process.join()
+    assert not alive, f"{len(alive)} worker(s) still running after {timeout} s: killed"
+    return [process.exitcode for process in processes]
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+# --- in the workers ----------------------------------------------------------------------------------
+
+
+#: This worker's rank, for its log lines.
+_rank = -1
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: List[str] = []
+        self.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.rank = _rank
+        self.lines.append(self.format(record))
+
+
+class Worker:
+    """One worker's view of a run, for :class:`Call` functions."""
+
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._ports = iter([port])
+
+    def train_config(self, experiment: Experiment, work_dir: Path, step: str = "train") -> TrainConfig:
+        """The ``TrainConfig`` Tango's step builds for ``experiment``'s training step on this worker."""
+        return _train_config(experiment["steps"][step], work_dir, self.rank, self.world_size, self._port())
+
+    def engine(self, experiment: Experiment, work_dir: Path, step: str = "train") -> FairScaleTrainingEngine:
+        """
+        The experiment's engine, constructed on this worker as Tango's worker loop does (seeded, from
+        the config, with a new process group; the previous one is closed).
+        """
+        config = self.train_config(experiment, work_dir, step)
+        _close_process_group()
+        set_seed_all(config.seed)
+        train = experiment["steps"][step]
+        engine = Lazy(TrainingEngine, Params(dict(train["training_engine"]))).construct(
+            train_config=config, model=Lazy(Model, Params(dict(train["model"])))
+        )
+        assert isinstance(engine, FairScaleTrainingEngine), type(engine)
+        return engine
+
+    def init_process_group(self) -> None:
+        """A gloo process group of this run's workers, for a function that builds no engine."""
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{self._port()}", rank=self.rank, world_size=self.world_size
+        )
+
+    def batches(self, experiment: Experiment, step: str = "train") -> Iterator[List[Dict[str, torch.Tensor]]]:
+        """This worker's batches of the experiment's training data, as Tango's loop draws them."""
+        from tango.integrations.torch.train import _cycle_through_epochs
+
+        train = experiment["steps"][step]
+        loader = Lazy(DataLoader, Params(dict(train["train_dataloader"]))).construct(
+            dataset=_dataset(experiment, train)["train"]
+        )
+        for _, batch in _cycle_through_epochs(loader, True, train.get("grad_accum", 1)):
+            yield batch
+
+    @staticmethod
+    def train(
+        engine: FairScaleTrainingEngine, batches: Iterator[List[Dict[str, torch.Tensor]]], steps: int
+    ) -> List[float]:
+        """``steps`` optimizer steps as Tango's loop makes them; each step's loss on this worker."""
+        losses = []
+        for _ in range(steps):
+            batch = next(batches)
+            loss = 0.0
+            for index, micro_batch in enumerate(batch):
+                micro_loss, _ = engine.forward_train(micro_batch, index, len(batch))
+                loss += micro_loss.item()
+                engine.backward(micro_loss)
+            engine.step()
+            losses.append(loss)
+        return losses
+
+    def _port(self) -> int:
+        port = next(self._ports, None)
+        if port is None:
+            # Another engine in the same job: every worker needs the same port, so agree on one.
+            chosen = [free_port() if self.rank == 0 else 0]
+            dist.broadcast_object_list(chosen, src=0)
+            port = int(chosen[0])
+        return port
+
+
+def _dataset(experiment: Experiment, train: Dict[str, Any]) -> Any:
+    """The data step the training step refers to, run here (it is small and deterministic)."""
+    from tango import Step
+
+    reference = train["dataset_dict"]
+    assert reference.get("type") == "ref", "the harness runs experiments whose dataset_dict is a ref"
+    data = dict(experiment["steps"][reference["ref"]])
+    step_class = Step.by_name(data.pop("type"))
+    return step_class().run(**data)  # type: ignore[call-arg]
+
+
+def _train_config(
+    train: Dict[str, Any], work_dir: Path, rank: int, world_size: int, port: int
+) -> TrainConfig:
+    device_count = train.get("device_count", 1)
+    assert device_count == world_size, (
+        f"the step's device_count is {device_count}, the harness runs {world_size}"
+    )
+    return TrainConfig(
+        "harness",
+        Path(work_dir),
+        step_name="train",
+        worker_id=rank,
+        train_split=train.get("train_split", "train"),
+        validation_split=train.get("validation_split"),
+        seed=train.get("seed", 42),
+        train_steps=train.get("train_steps"),
+        train_epochs=train.get("train_epochs"),
+        grad_accum=train.get("grad_accum", 1),
+        log_every=train.get("log_every", 10),
+        checkpoint_every=train.get("checkpoint_every", 100),
+        validate_every=train.get("validate_every"),
+        validation_steps=train.get("validation_steps"),
+        is_distributed=True,
+        devices=[-1] * world_size,
+        distributed_port=port,
+        remove_stale_checkpoints=train.get("remove_stale_checkpoints", True),
+        world_size=world_size,
+    )
+
+
+def _lazy(kind: Any, params: Optional[Dict[str, Any]]) -> Any:
+    return None if params is None else Lazy(kind, Params(dict(params)))
+
+
+def _run_train(job: Train, rank: int, world_size: int, port: int) -> None:
+    """Tango's worker loop, as a ``tango run`` worker runs it, with the arguments its step would pass."""
+    from tango.integrations.torch import train as tango_train
+
+    from tango_fairscale.callbacks import RestoreRandomState
+    from tango_fairscale.metrics import MetricsLog
+
+    train = job.experiment["steps"][job.step]
+    config = _train_config(train, job.work_dir, 0, world_size, port)
+    callbacks = [_lazy(TrainCallback, c) for c in train.get("callbacks") or []]
+    engine_type = train["training_engine"]["type"]
+    if issubclass(TrainingEngine.resolve_class_name(engine_type)[0], FairScaleTrainingEngine):
+        # What the plugin's step patch adds for its engine: the metrics log (unless the config has
+        # one) and the restoring of the random generators on resume.
+        if not any(c.get("type") == "fairscale::metrics" for c in train.get("callbacks") or []):
+            callbacks.append(Lazy(MetricsLog))
+        callbacks.append(Lazy(RestoreRandomState))
+    Path(job.work_dir).mkdir(parents=True, exist_ok=True)
+    tango_train._train(
+        rank,
+        None,  # the workspace: only passed on to callbacks, which these do not use
+        config,
+        _lazy(Model, train["model"]),
+        _lazy(TrainingEngine, train["training_engine"]),
+        _dataset(job.experiment, train),
+        _lazy(DataLoader, train["train_dataloader"]),
+        _lazy(DataLoader, train.get("validation_dataloader")),
+        callbacks,
+        None,  # include_package: this process imported the components already
+    )
+
+
+@contextmanager
+def _quick_release() -> Iterator[None]:
+    """
+    While a worker closes its process group to start another. A ``tango run`` worker's last act is
+    to close its process groups, releasing every reference to them
+    (:func:`tango_fairscale.teardown.close_process_groups`), so that no gloo thread is alive when
+    the interpreter finalizes. These workers never finalize it (they end with ``os._exit``), and the
+    release scans every object in the process: 1 to 2 s a job. Destroying the group is enough here.
+    """
+    from tango_fairscale import teardown
+
+    release = teardown.release_process_groups
+    teardown.release_process_groups = lambda: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        teardown.release_process_groups = release  # type: ignore[assignment]
+
+
+def _close_process_group() -> None:
+    """Close this worker's process group, if any, so that the next engine can start its own."""
+    from fairscale.internal import parallel
+
+    from tango_fairscale.teardown import close_process_groups
+
+    if dist.is_initialized():
+        with _quick_release():
+            close_process_groups()
+    # FairScale keeps the groups its FSDP units use in a cache for the life of the process: the
+    # next engine's units must make new ones.
+    parallel.get_process_group_cached.__dict__.pop("_global_group_cache", None)
+
+
+def _call_spawned(worker: Worker, function: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
+    return function(worker.rank, *args)
+
+
+def _worker(rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str) -> None:
+    from tango.common import logging as tango_logging
+
+    global _rank
+    _rank = rank
+    # Tango's worker loop sends its log records to the main process of a `tango run`; here the
+    # records stay in this process, where each job's are captured.
+    tango_logging.initialize_worker_logging = lambda worker_rank=None: None  # type: ignore[assignment]
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for index, (job, port) in enumerate(zip(jobs, ports)):
+        capture = _Capture()
+        root.addHandler(capture)
+        result = WorkerResult()
+        try:
+            if isinstance(job, Train):
+                with _quick_release():  # Tango's worker ends by closing its process group
+                    _run_train(job, rank, world_size, port)
+            else:
+                result.value = job.function(Worker(rank, world_size, port), *job.args)
+        except BaseException as error:  # noqa: BLE001 - recorded for the test, which decides
+            result.error = f"{type(error).__name__}: {error}"
+            result.traceback = traceback.format_exc()
+        finally:
+            root.removeHandler(capture)
+        result.logs = capture.lines
+        torch.save(result, Path(out) / f"job{index}_rank{rank}.pt")
+        _close_process_group()
