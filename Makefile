@@ -19,11 +19,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Installs torch only when the venv has none (a torch outside pyproject.toml's range is an
-# error rather than a silent swap), then the package with its dev, examples and benchmarks
-# extras, then checks that the environment is consistent.
+# error rather than a silent swap), then the package with its dev, examples, benchmarks and
+# loggers extras, then checks that the environment is consistent.
 $(VENV)/.installed: $(BIN)/python pyproject.toml scripts/install_torch.py
 	$(BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks,loggers]"
 	$(BIN)/python -m pip check
 	@touch $@
 

@@ -9,7 +9,6 @@ import re
 import resource
 import statistics
 import time
-import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -19,6 +18,8 @@ from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import TorchTrainingEngine, TrainCallback, TrainingEngine
 
 from benchmarks.common import state_bytes
+from tango_fairscale.cpu.timing import COLLECTIVES, NAMES, CollectiveTotals
+from tango_fairscale.devices import worker_computes_on_cpu
 from tango_fairscale.engine import FairScaleTrainingEngine
 
 
@@ -39,63 +40,14 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-class _TimedCollectives(types.ModuleType):
+def _times_collectives(engine: TrainingEngine) -> bool:
     """
-    ``torch.distributed`` as FairScale's modules see it, with its gathers and scatters timed:
-    since the last :meth:`reset`, ``seconds_by_name`` and ``calls_by_name`` per function (each of
-    ``TIMED``), ``seconds`` in all of them together.
+    Whether the engine's FSDP collectives go through the timed CPU rings
+    (:mod:`tango_fairscale.cpu.timing`): the ``"fairscale"`` engine on CPU workers, either backend.
+    DDP's all-reduces are not timed; on GPUs NCCL runs them asynchronously (wall time around them
+    means nothing).
     """
-
-    TIMED = ("all_gather", "reduce_scatter")
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__("torch.distributed")
-        self.inner = inner
-        self.seconds_by_name: Dict[str, float] = {}
-        self.calls_by_name: Dict[str, int] = {}
-        self.reset()
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.seconds_by_name.values())
-
-    def reset(self) -> None:
-        self.seconds_by_name = dict.fromkeys(self.TIMED, 0.0)
-        self.calls_by_name = dict.fromkeys(self.TIMED, 0)
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.inner, name)
-        if name not in self.TIMED:
-            return attribute
-
-        def timed(*args: Any, _call: Callable[..., Any] = attribute, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _call(*args, **kwargs)
-            finally:
-                self.seconds_by_name[name] += time.perf_counter() - start
-                self.calls_by_name[name] += 1
-
-        return timed
-
-
-def _time_fairscale_collectives(engine: TrainingEngine) -> Optional[_TimedCollectives]:
-    """
-    Time FairScale's all-gathers and reduce-scatters on CPU workers, where they run
-    synchronously (on GPUs they are asynchronous, so wall time around them means nothing).
-    Only the ``"fairscale"`` engine's FairScale backend: DDP and the PyTorch FSDP2 backend
-    (``backend: "torch"``) call other collectives, which are not timed.
-    """
-    from tango_fairscale import compat
-
-    if not isinstance(engine, FairScaleTrainingEngine) or engine.backend != "fairscale":
-        return None
-    if not compat.cpu_fsdp_enabled():
-        return None
-    timed = _TimedCollectives(compat.current_collectives())
-    # The same seam the CPU support uses, so that both FairScale modules see the timed calls.
-    compat.set_collectives(timed)
-    return timed
+    return isinstance(engine, FairScaleTrainingEngine) and worker_computes_on_cpu()
 
 
 @TrainCallback.register("benchmark::measure")
@@ -112,34 +64,36 @@ class Measure(TrainCallback):
         self.step_times: List[float] = []
         self.last_start: Optional[float] = None
         self.state: Dict[str, int] = {}
-        # Per optimizer step (one batch: all of its grad_accum micro-batches), in FairScale's
-        # collectives: the seconds in all of them, and the seconds and calls of each of
-        # _TimedCollectives.TIMED.
+        # Per optimizer step (one batch: all of its grad_accum micro-batches), in FSDP's
+        # collectives: the seconds in all of them, and the seconds and calls of each of NAMES
+        # (all-gather, reduce-scatter).
         self.collective_times: List[float] = []
-        self.collective_times_by_name: Dict[str, List[float]] = {name: [] for name in _TimedCollectives.TIMED}
-        self.collective_calls_by_name: Dict[str, List[int]] = {name: [] for name in _TimedCollectives.TIMED}
-        self.collectives: Optional[_TimedCollectives] = None
+        self.collective_times_by_name: Dict[str, List[float]] = {name: [] for name in NAMES}
+        self.collective_calls_by_name: Dict[str, List[int]] = {name: [] for name in NAMES}
+        self.timed = False
+        self.mark: Optional[CollectiveTotals] = None
 
     def pre_train_loop(self) -> None:
         # The high-water mark after building the model and the engine, before any step.
         self.setup_peak = _peak_rss_bytes()
-        self.collectives = _time_fairscale_collectives(self.training_engine)
+        self.timed = _times_collectives(self.training_engine)
 
     def pre_batch(self, step: int, epoch: int, batch: Any) -> None:
         # Once per optimizer step: ``batch`` holds the step's grad_accum micro-batches.
         if step == 1:
             self.first_step_peak = _peak_rss_bytes()
         now = time.perf_counter()
+        totals = COLLECTIVES.totals()
         if self.last_start is not None:
             self.step_times.append(now - self.last_start)
-            if self.collectives is not None:
-                self.collective_times.append(self.collectives.seconds)
-                for name in _TimedCollectives.TIMED:
-                    self.collective_times_by_name[name].append(self.collectives.seconds_by_name[name])
-                    self.collective_calls_by_name[name].append(self.collectives.calls_by_name[name])
+            if self.timed and self.mark is not None:
+                done = totals.since(self.mark)  # the step that just ended
+                self.collective_times.append(done.total_seconds)
+                for name in NAMES:
+                    self.collective_times_by_name[name].append(done.seconds[name])
+                    self.collective_calls_by_name[name].append(done.calls[name])
         self.last_start = now
-        if self.collectives is not None:
-            self.collectives.reset()
+        self.mark = totals
         if step > 0:  # after an optimizer step, all state exists
             self.state = state_bytes(self.training_engine)
 
@@ -159,8 +113,8 @@ class Measure(TrainCallback):
             "peak_rss_after_first_step_bytes": getattr(self, "first_step_peak", None),
             "step_time_s": self._median_after_warmup(self.step_times),
             "step_times_s": self.step_times,
-            # Seconds per optimizer step spent in FairScale's all-gathers and reduce-scatters
-            # (CPU workers, FairScale backend only; None otherwise): together, then each.
+            # Seconds per optimizer step spent in FSDP's all-gathers and reduce-scatters (CPU
+            # workers of the "fairscale" engine, either backend; None otherwise): together, then each.
             "collectives_time_s": self._median_after_warmup(self.collective_times),
             "all_gather_time_s": self._median_after_warmup(by_name["all_gather"]),
             "reduce_scatter_time_s": self._median_after_warmup(by_name["reduce_scatter"]),

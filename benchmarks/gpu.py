@@ -38,25 +38,22 @@ CONFIGS: Dict[str, Any] = {
     "amp_mixed_precision": ({"amp": True, "amp_use_bfloat16": False}, {"mixed_precision": True}),
 }
 
-#: Dense float16/bfloat16 tensor-core peak in TFLOP/s, from the vendors' data sheets, by a
-#: fragment of ``torch.cuda.get_device_name()``; the first fragment found in the name wins.
-PEAK_TFLOPS = [
-    ("H200", 989.4),
-    ("H100 NVL", 835.5),
-    ("H100 PCIe", 756.5),
-    ("H100", 989.4),
-    ("A100", 312.0),
-    ("L40S", 362.1),
-    ("A10G", 70.0),
-]
+#: The compute dtype of each configuration's matmuls, whose peak its MFU is against.
+DTYPES = {"fp32": "float32", "amp": "float16", "amp_mixed_precision": "float16"}
 
 
-def peak_tflops_for(device_name: str) -> Optional[float]:
-    """The dense half-precision peak of a GPU named ``device_name``, if it is in the table."""
-    for fragment, tflops in PEAK_TFLOPS:
-        if fragment in device_name:
-            return tflops
-    return None
+def peak_tflops_for(device_name: str, dtype: str = "float16", tf32: bool = False) -> Optional[float]:
+    """
+    The dense peak in TFLOP/s of a GPU named ``device_name`` for ``dtype`` (float32 on tensor cores
+    with ``tf32``), from the package's table (:data:`tango_fairscale.throughput.GPU_PEAK_TFLOPS`,
+    which the metrics log uses too); None for a GPU the table lacks.
+    """
+    import torch
+
+    from tango_fairscale.throughput import gpu_peak
+
+    peak = gpu_peak(device_name, getattr(torch, dtype), tf32=tf32)
+    return None if peak.flops_per_second is None else peak.flops_per_second / 1e12
 
 
 def matmul_parameters(model: Any) -> int:
@@ -129,6 +126,13 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         **engine_options,
     )
     sequence_length = model_shape["n_positions"]
+    peak = settings.get("peak_tflops")
+    if peak is None and not cuda:
+        # A CPU worker: its matmul measured in float32 (fp32 is the only configuration on CPU).
+        from tango_fairscale.throughput import measure_cpu_peak
+
+        cpu_peak = measure_cpu_peak(torch.float32).flops_per_second
+        peak = None if cpu_peak is None else cpu_peak / 1e12
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(
         model_shape["vocab_size"], (settings["batch_size"], sequence_length), generator=generator
@@ -156,7 +160,6 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     flops_per_token = training_flops_per_token(
         matmul_params, model_shape["n_layer"], model_shape["n_embd"], sequence_length
     )
-    peak = settings.get("peak_tflops")
     record: Dict[str, Any] = {
         "config": name,
         "world_size": dist.get_world_size(),
@@ -171,6 +174,7 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         "flops_per_token": flops_per_token,
         "achieved_tflops": flops_per_token * tokens_per_s / 1e12,
         "mfu": flops_per_token * tokens_per_s / (peak * 1e12) if peak else None,
+        "peak_tflops": peak,
         "grad_scaler": type(engine.grad_scaler).__name__ if engine.grad_scaler is not None else None,
     }
     if cuda:
@@ -206,7 +210,16 @@ def markdown(
 ) -> str:
     shape = MODELS["quick" if settings["quick"] else "full"]
     parameters = records[0]["parameters"] if records else 0
-    peak = settings.get("peak_tflops")
+    given = settings.get("peak_tflops")
+    if given:
+        against = f"the given peak ({given:g} TFLOP/s, every row)"
+    elif settings["device"] == "cuda":
+        against = (
+            "the device's dense peak for the row's compute dtype (float16 under AMP; float32, or TF32 "
+            "where `tf32 matmul` is on, otherwise), from the package's table of GPUs"
+        )
+    else:
+        against = "a float32 matmul measured on the worker's threads"
     lines = [
         "# Benchmarks on one GPU",
         "",
@@ -215,12 +228,7 @@ def markdown(
         f"engine on world size 1 ({records[0]['backend'] if records else '?'}), one FSDP unit per block, "
         f"{settings['steps']} steps, median step time after {settings['warmup']} warm-up steps. MFU is "
         "model FLOPs (6 N + 12 L d T per token, N the parameters in matrix multiplies) per second over "
-        + (
-            f"the device's dense half-precision peak ({peak:g} TFLOP/s)"
-            if peak
-            else "a peak that was not known"
-        )
-        + ", for every row alike. Ratios are to `fp32`.",
+        f"{against}. Ratios are to `fp32`.",
         "",
         "| | |",
         "|---|---|",
@@ -228,8 +236,9 @@ def markdown(
         "",
         "Reproduce: `python benchmarks/run.py --gpu" + (" --quick" if settings["quick"] else "") + "`",
         "",
-        "| config | peak memory | x fp32 | step time | tokens/s | x fp32 | achieved TFLOP/s | MFU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | peak memory | x fp32 | step time | tokens/s | x fp32 | achieved TFLOP/s "
+        "| peak TFLOP/s | MFU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memory_key = "peak_cuda_bytes" if settings["device"] == "cuda" else "peak_rss_bytes"
     reference = next((r for r in records if r["config"] == "fp32"), None)
@@ -237,13 +246,14 @@ def markdown(
         memory_ratio = f"{r[memory_key] / reference[memory_key]:.3f}" if reference else "-"
         speed_ratio = f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-"
         mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_tflops']:g}" if r.get("peak_tflops") else "unknown"
         lines.append(
             f"| `{r['config']}` | {r[memory_key] / 2**30:.2f} GiB | {memory_ratio} "
             f"| {r['step_time_s']:.3f} s | {r['tokens_per_s']:,.0f} | {speed_ratio} "
-            f"| {r['achieved_tflops']:.1f} | {mfu} |"
+            f"| {r['achieved_tflops']:.1f} | {peak} | {mfu} |"
         )
     for name, why in skipped.items():
-        lines.append(f"| `{name}` | skipped: {why} | | | | | | |")
+        lines.append(f"| `{name}` | skipped: {why} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -263,8 +273,6 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     peak = args.peak_tflops
-    if peak is None and device == "cuda":
-        peak = peak_tflops_for(torch.cuda.get_device_name(0))
     settings = {
         "device": device,
         "quick": args.quick,
@@ -287,6 +295,11 @@ def main(args: argparse.Namespace) -> int:
             continue
         print(f"[{index}/{len(names)}] {name} ...", end=" ", flush=True)
         one = {**settings, "port": free_port()}
+        if peak is None and device == "cuda":
+            # The peak of this configuration's compute dtype; None (MFU "-") for a GPU not in the table.
+            one["peak_tflops"] = peak_tflops_for(
+                torch.cuda.get_device_name(0), DTYPES[name], tf32=torch.backends.cuda.matmul.allow_tf32
+            )
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

@@ -10,8 +10,12 @@ model each configuration trains within a per-worker memory budget.
 
 Per worker it records model-state bytes (parameters, gradients and optimizer state held after a
 step, counted tensor by tensor), peak resident memory, the median step time after warm-up and,
-for the FairScale backend, the time per step in its all-gathers and reduce-scatters.
-Ratios to DDP at the same world size are the headline: absolute times depend on the machine.
+for both backends of the ``"fairscale"`` engine, the time per step in FSDP's all-gathers and
+reduce-scatters. Every run writes the metrics log (``fairscale::metrics``), whose model FLOPs per
+step (``FlopCounterMode`` on the first step, all workers) over the median step time and the
+machine's peak (``python -m tango_fairscale peak`` on all cores, measured once before the runs)
+is each configuration's MFU. Ratios to DDP at the same world size are the headline: absolute
+times depend on the machine.
 """
 
 import argparse
@@ -65,8 +69,8 @@ class Config(NamedTuple):
 
     @property
     def times_collectives(self) -> bool:
-        """Whether its collectives are timed: the ``"fairscale"`` engine's FairScale backend only."""
-        return self.engine == "fairscale" and self.engine_options.get("backend", "fairscale") == "fairscale"
+        """Whether its collectives are timed: the ``"fairscale"`` engine, either backend (not DDP's)."""
+        return self.engine == "fairscale"
 
 
 NO_RESHARD = {"fsdp_config": {"reshard_after_forward": False}}
@@ -156,7 +160,12 @@ def experiment(
                 "log_every": steps,
                 "device_count": world_size,
                 "distributed_port": free_port(),
-                "callbacks": [{"type": "benchmark::measure", "warmup_steps": warmup}],
+                # The metrics log (which the "fairscale" engine adds anyway) on every configuration,
+                # DDP's included, for the model FLOPs per step: the same per-step cost for all.
+                "callbacks": [
+                    {"type": "benchmark::measure", "warmup_steps": warmup},
+                    {"type": "fairscale::metrics"},
+                ],
                 **step_options,
             },
         }
@@ -200,6 +209,9 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         )
     work_dir = next((run_dir / "ws").glob("cache/TorchTrainStep-*/work"))
     workers = [json.loads(p.read_text()) for p in sorted(work_dir.glob("benchmark_worker*.json"))]
+    lines = [json.loads(line) for line in (work_dir / "metrics.jsonl").read_text().splitlines()]
+    training = [line for line in lines if line["kind"] == "train"]
+    (run_line,) = [line for line in lines if line["kind"] == "run"]
     if not args.keep:
         # Each run leaves a checkpoint and weights (gigabytes for the full model): a whole
         # benchmark's worth would fill a disk.
@@ -215,13 +227,18 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         "peak_rss_bytes_per_worker": max(w["peak_rss_bytes"] for w in workers),
         "step_time_s": max(w["step_time_s"] for w in workers),
         **{key: slowest(workers, key) for key in COLLECTIVES},
+        # FlopCounterMode's count of the first step, all workers (every step has the same shape).
+        "model_flops_per_step": run_line["model_flops_counted"]["flops"],
+        "tokens_per_step": training[-1]["tokens_per_step"],
+        # What the metrics log made of it in the run, against each worker's own measured peak.
+        "metrics_log_mfu": statistics.median(line["mfu"] for line in training[args.warmup :] or training),
         "wall_time_s": wall,
         "workers": workers,
     }
 
 
-#: Seconds per optimizer step in FairScale's collectives (None where they are not timed): all of
-#: them, its all-gathers, its reduce-scatters.
+#: Seconds per optimizer step in FSDP's collectives (None where they are not timed): all of them,
+#: the all-gathers, the reduce-scatters.
 COLLECTIVES = ("collectives_time_s", "all_gather_time_s", "reduce_scatter_time_s")
 
 
@@ -243,9 +260,48 @@ def combine(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     record["state_bytes_per_worker"] = max(r["state_bytes_per_worker"] for r in runs)
     record["peak_rss_bytes_per_worker"] = max(r["peak_rss_bytes_per_worker"] for r in runs)
     record["wall_time_s"] = sum(r["wall_time_s"] for r in runs)
-    kept = ("step_time_s", *COLLECTIVES, "peak_rss_bytes_per_worker", "wall_time_s")
+    record["metrics_log_mfu"] = statistics.median(r["metrics_log_mfu"] for r in runs)
+    kept = ("step_time_s", *COLLECTIVES, "peak_rss_bytes_per_worker", "metrics_log_mfu", "wall_time_s")
     record["runs"] = [{key: r.get(key) for key in kept} for r in runs]
     return record
+
+
+def add_mfu(records: List[Dict[str, Any]], peak_flops_per_second: float) -> None:
+    """Each record's achieved model FLOP/s (FLOPs of a step over its median time) and MFU against the peak."""
+    for record in records:
+        record["model_flops_per_second"] = record["model_flops_per_step"] / record["step_time_s"]
+        record["mfu"] = record["model_flops_per_second"] / peak_flops_per_second
+
+
+PEAK_SECONDS = 3.0
+
+
+def peak_command(threads: int) -> List[str]:
+    """The command that measures the machine's peak: a float32 matmul on ``threads`` threads."""
+    return [
+        "python",
+        "-m",
+        "tango_fairscale",
+        "peak",
+        "--threads",
+        str(threads),
+        "--seconds",
+        f"{PEAK_SECONDS:g}",
+    ]
+
+
+def measure_peak(threads: int) -> Dict[str, Any]:
+    """The machine's float32 matmul FLOP/s on ``threads`` threads, measured by :func:`peak_command`."""
+    command = peak_command(threads)
+    result = subprocess.run(
+        [sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, check=False, timeout=300
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
+    output = result.stdout.strip().splitlines()[-1]
+    # "peak: 69.0 GFLOP/s (measured: ...)"
+    gflops = float(output.split("peak:", 1)[1].split("GFLOP/s", 1)[0])
+    return {"flops_per_second": gflops * 1e9, "command": " ".join(command), "output": output}
 
 
 def add_ratios(records: List[Dict[str, Any]]) -> None:
@@ -280,12 +336,18 @@ def seconds(record: Dict[str, Any], key: str) -> str:
 
 
 def markdown(
-    records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, parameters: int
+    records: List[Dict[str, Any]],
+    env: Dict[str, Any],
+    args: argparse.Namespace,
+    parameters: int,
+    peak: Dict[str, Any],
 ) -> str:
     sequence_length = MODELS["quick" if args.quick else "full"]["n_positions"]
+    note = getattr(args, "note", None)
     lines = [
         "# Benchmarks",
         "",
+        *([f"> {note}", ""] if note else []),
         f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {sequence_length}, "
         f"batch {args.batch_size} per worker, AdamW), trained through `tango run` on CPU workers (gloo), "
         f"{args.steps} steps, median step time after {args.warmup} warm-up steps"
@@ -297,15 +359,26 @@ def markdown(
         + ". Every configuration "
         'ran in the same session on the same machine; ratios are to DDP (Tango\'s `"torch"` engine) at '
         "the same world size. Workers share the machine's cores equally (`OMP_NUM_THREADS`). "
-        '"In collectives" is the time per optimizer step spent in FairScale\'s all-gathers and '
+        '"In collectives" is the time per optimizer step spent in FSDP\'s all-gathers and '
         'reduce-scatters, "all-gather" and "reduce-scatter" its two parts (each the slowest '
-        "worker's median), waiting for the other workers included; they are measured for the "
-        'FairScale backend only ("-" for DDP and for FSDP2, the engine\'s `backend: "torch"`). '
+        "worker's median), waiting for the other workers included; they are measured for both "
+        'backends of the engine, FairScale\'s FSDP and FSDP2 (`backend: "torch"`), whose rings '
+        'time them ("-" for DDP, whose all-reduces are not timed). '
         f"The `*_accum*` configurations accumulate gradients over {GRAD_ACCUM} micro-batches of the "
         "same batch size per optimizer step (`grad_accum`), so their step and collective times cover "
         f"{GRAD_ACCUM} micro-batches: compare them with each other. `fsdp_accum` reduce-scatters "
         "after every micro-batch, the `fsdp_accum_local*` ones (`accumulate_grads_locally`) after the "
         "last one only.",
+        "",
+        "MFU is the model FLOPs of an optimizer step (counted by `FlopCounterMode` over the forward and "
+        "backward passes of the first step, all workers together: "
+        f"{records[0]['model_flops_per_step'] / 1e9:.1f} GFLOP for one worker's batch) over the median "
+        "step time and this machine's peak, "
+        f"{peak['flops_per_second'] / 1e9:.1f} GFLOP/s: a float32 matmul on all "
+        f"{peak.get('threads', '')} cores, measured once before the runs with `{peak['command']}` "
+        f"(`{peak['output']}`). The same peak for every row, so MFU is proportional to each "
+        "configuration's speed; the workers' own MFU in the metrics log is against the peak each "
+        "measured in its run.",
         "",
         "| | |",
         "|---|---|",
@@ -328,15 +401,15 @@ def markdown(
         + "`",
         "",
         "| config | workers | model state / worker | x DDP | peak RSS / worker | x DDP "
-        "| step time | x DDP | x FSDP2 | in collectives | all-gather | reduce-scatter |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step time | x DDP | x FSDP2 | MFU | in collectives | all-gather | reduce-scatter |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         lines.append(
             f"| `{r['config']}` | {r['world_size']} | {mib(r['state_bytes_per_worker'])} "
             f"| {ratio(r, 'state_vs_ddp')} | {mib(r['peak_rss_bytes_per_worker'])} "
             f"| {ratio(r, 'rss_vs_ddp')} | {r['step_time_s']:.3f} s "
-            f"| {ratio(r, 'time_vs_ddp')} | {ratio(r, 'time_vs_fsdp2')} "
+            f"| {ratio(r, 'time_vs_ddp')} | {ratio(r, 'time_vs_fsdp2')} | {100 * r['mfu']:.2f} % "
             f"| {seconds(r, 'collectives_time_s')} | {seconds(r, 'all_gather_time_s')} "
             f"| {seconds(r, 'reduce_scatter_time_s')} |"
         )
@@ -470,6 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
     parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
+    parser.add_argument("--note", default=None, help="a note for the top of the markdown page")
     parser.add_argument(
         "--render", type=Path, default=None, help="no runs: redraw the table and chart from this --json file"
     )
@@ -489,7 +563,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--peak-tflops",
         type=float,
         default=None,
-        help="with --gpu: the device's dense half-precision peak for MFU (default: from a table of GPUs)",
+        help="with --gpu: the device's dense peak in TFLOP/s for MFU, every configuration alike "
+        "(default: each configuration's compute dtype in the package's table of GPUs)",
     )
     args = parser.parse_args(argv)
     if args.gpu:
@@ -511,11 +586,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         saved = json.loads(args.render.read_text())
         args.world_sizes = sorted({r["world_size"] for r in saved["records"]} - {1})
         args.__dict__.update(saved.get("settings", {}))
-        return report(saved["records"], saved["environment"], saved["parameters"], args)
+        return report(saved["records"], saved["environment"], saved["parameters"], saved["peak"], args)
 
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
     plan = [("ddp", 1)] + [(c, ws) for ws in args.world_sizes for c in configs]
+    threads = os.cpu_count() or 1
+    print(f"peak: {' '.join(peak_command(threads))} ...", end=" ", flush=True)
+    peak = {**measure_peak(threads), "threads": threads}
+    print(f"{peak['flops_per_second'] / 1e9:.1f} GFLOP/s", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="tango-fairscale-bench-"))
     runs: Dict[Any, List[Dict[str, Any]]] = {key: [] for key in plan}
     total = len(plan) * args.repeats
@@ -526,10 +605,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[{index}/{total}] {name} on {world_size} worker(s) ...", end=" ", flush=True)
             record = run_one(name, world_size, args, scratch / f"round{round_}")
             runs[(name, world_size)].append(record)
+            mfu = record["model_flops_per_step"] / record["step_time_s"] / peak["flops_per_second"]
             print(
                 f"state {mib(record['state_bytes_per_worker'])}, "
                 f"peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
-                f"step {record['step_time_s']:.3f} s ({record['wall_time_s']:.0f} s wall)",
+                f"step {record['step_time_s']:.3f} s, MFU {100 * mfu:.2f} % "
+                f"({record['wall_time_s']:.0f} s wall)",
                 flush=True,
             )
     finally:
@@ -537,28 +618,39 @@ def main(argv: Optional[List[str]] = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     records = [combine(runs[key]) for key in plan]
     add_ratios(records)
+    add_mfu(records, peak["flops_per_second"])
     env = host_environment()
     parameters = records[0]["workers"][0]["parameters"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {
             key: getattr(args, key)
-            for key in ("quick", "steps", "warmup", "batch_size", "repeats", "configs")
+            for key in ("quick", "steps", "warmup", "batch_size", "repeats", "configs", "note")
         }
         args.json.write_text(
             json.dumps(
-                {"environment": env, "parameters": parameters, "settings": settings, "records": records},
+                {
+                    "environment": env,
+                    "parameters": parameters,
+                    "peak": peak,
+                    "settings": settings,
+                    "records": records,
+                },
                 indent=2,
             )
         )
-    return report(records, env, parameters, args)
+    return report(records, env, parameters, peak, args)
 
 
 def report(
-    records: List[Dict[str, Any]], env: Dict[str, Any], parameters: int, args: argparse.Namespace
+    records: List[Dict[str, Any]],
+    env: Dict[str, Any],
+    parameters: int,
+    peak: Dict[str, Any],
+    args: argparse.Namespace,
 ) -> int:
     """Write the markdown table and the chart, and print the table."""
-    text = markdown(records, env, args, parameters)
+    text = markdown(records, env, args, parameters, peak)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text)

@@ -5,7 +5,9 @@ tango-fairscale: FairScale's Fully Sharded Data Parallel (ZeRO-3) for AI2 Tango'
 Importing this package registers:
 
 - :class:`FairScaleTrainingEngine` as the training engine ``"fairscale"``;
-- :func:`with_wrapped_modules` as the model constructor ``"fairscale::with_wrapped_modules"``.
+- :func:`with_wrapped_modules` as the model constructor ``"fairscale::with_wrapped_modules"``;
+- the callbacks ``"fairscale::metrics"``, ``"fairscale::memory"``, ``"fairscale::wandb"``,
+  ``"fairscale::tensorboard"`` and ``"fairscale::profile"``.
 
 Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fairscale``
 under ``include_package`` in ``tango.yml``.
@@ -16,6 +18,7 @@ from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
+from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
 from .metrics import MetricsLog
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
@@ -31,7 +34,10 @@ __all__ = [
     "FairScaleTrainingEngine",
     "MemoryCallback",
     "MetricsLog",
+    "ProfileCallback",
     "RestoreRandomState",
+    "TensorBoardLogger",
+    "WandbLogger",
     "WrapConfigurationError",
     "WrapPlan",
     "__version__",

@@ -9,6 +9,8 @@ Commands:
   plan of a training step and the model state each worker will hold, without training.
 - ``plot WORK_DIR_OR_METRICS_FILE [-o OUT.png] [--keys loss,...]``: a PNG of the metrics log
   that the ``fairscale::metrics`` callback wrote.
+- ``peak [--dtype float32] [--threads N] [--seconds S]``: this machine's matmul FLOP/s, the peak
+  that MFU on CPU workers is measured against.
 
 A bad argument ends the command with one ``error: ...`` line on stderr and exit status 2.
 """
@@ -27,7 +29,7 @@ from tqdm import tqdm
 
 from . import checkpointing, consolidation
 from .errors import CheckpointError
-from .metrics import METRICS_FILE_NAME, metric_keys, plot_metrics, read_metrics
+from .metrics import METRIC_KINDS, METRICS_FILE_NAME, metric_keys, plot_metrics, read_metrics
 from .plan import make_plan, render
 
 TRAIN_STEP_TYPE = "torch::train"
@@ -346,7 +348,7 @@ def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> N
                 f"--keys: no metric {', '.join(unknown)} in {metrics_file}; it has: {', '.join(available)}"
             )
     output = output if output is not None else metrics_file.with_suffix(".png")
-    steps = [line["step"] for line in lines]
+    steps = [line["step"] for line in lines if line.get("kind", "train") in METRIC_KINDS]
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         panels = plot_metrics(
@@ -362,6 +364,31 @@ def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> N
     note = f"; skipped {skipped} unreadable line{'s' if skipped != 1 else ''}" if skipped else ""
     summary = f"{len(panels)} panels ({', '.join(panels)}) from {len(lines)} lines of {metrics_file}"
     print(f"Wrote {output}: {summary}{note}.")
+
+
+def peak_command(dtype_name: str, threads: Optional[int], seconds: float) -> None:
+    """Print the FLOP/s of a square matmul on this process's threads (what CPU workers measure)."""
+    import torch
+
+    from .config import parse_dtype
+    from .throughput import measure_cpu_peak
+
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be 1 or more, got {threads}")
+        torch.set_num_threads(threads)
+    if not seconds > 0:
+        raise UsageError(f"--seconds must be positive, got {seconds}")
+    try:
+        dtype = parse_dtype("--dtype", dtype_name)
+    except ConfigurationError:
+        dtype = None
+    if dtype is None:
+        raise UsageError(f"--dtype {dtype_name!r} is not a dtype: use e.g. float32, bfloat16 or float16")
+    peak = measure_cpu_peak(dtype, seconds=seconds)
+    if peak.flops_per_second is None:
+        raise UsageError(peak.source)
+    print(f"peak: {peak.flops_per_second / 1e9:.1f} GFLOP/s ({peak.source})")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -459,6 +486,18 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     plot_parser.add_argument(
         "--keys", help="comma-separated metrics to draw, in this order (default: all), e.g. loss,val_loss,lr"
     )
+
+    peak_parser = commands.add_parser(
+        "peak",
+        help="measure this machine's matmul FLOP/s, the peak of MFU on CPU workers",
+        description="Time a square matmul on this process's threads and print the best FLOP/s, as CPU "
+        "training workers measure their peak for MFU once per run (the metrics log's run line).",
+    )
+    peak_parser.add_argument("--dtype", default="float32", help="the matmul's dtype (default float32)")
+    peak_parser.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
+    peak_parser.add_argument(
+        "--seconds", type=float, default=2.0, help="how long to repeat the matmul (default 2)"
+    )
     return parser
 
 
@@ -480,6 +519,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
         elif args.command == "plot":
             plot_command(args.source, args.output, args.keys)
+        elif args.command == "peak":
+            peak_command(args.dtype, args.threads, args.seconds)
     except (UsageError, CheckpointError, ConfigurationError) as error:
         # Every line of the message, joined: some name the alternatives on a line of their own.
         print(f"error: {_one_line(error, lines=50)}", file=sys.stderr)

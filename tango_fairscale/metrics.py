@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
-from .callbacks import _batch_size, peak_memory_mib
+from .callbacks import peak_memory_mib
+from .throughput import StepWindow, Window, combine, meter_for
 
 __all__ = ["METRICS_FILE_NAME", "MetricsLog", "plot_metrics", "read_metrics"]
 
@@ -26,10 +27,29 @@ METRICS_FILE_NAME = "metrics.jsonl"
 
 #: The fields :class:`MetricsLog` writes itself; a model output of one of these names is written
 #: as ``output_<name>`` instead.
-RESERVED_FIELDS = ("step", "epoch", "kind", "loss", "lr", "samples_per_second", "peak_memory_mib", "time")
+RESERVED_FIELDS = (
+    "step",
+    "epoch",
+    "kind",
+    "loss",
+    "lr",
+    "samples_per_second",
+    "step_time_s",
+    "tokens_per_step",
+    "tokens_per_second",
+    "model_flops_per_step",
+    "model_flops_per_second",
+    "mfu",
+    "collective_time_s",
+    "peak_memory_mib",
+    "time",
+)
 
 #: Fields of a line that are not metrics (not plotted).
 NON_METRIC_FIELDS = ("step", "epoch", "kind", "time")
+
+#: The kinds of lines that hold metrics over the steps (a ``run`` line describes a run instead).
+METRIC_KINDS = ("train", "validation")
 
 
 def _scalar(value: Any) -> Optional[float]:
@@ -115,10 +135,35 @@ class MetricsLog(TrainCallback):
       optimizer steps and checkpoint saves count, and so does the one-off set-up in a run's
       first step, which makes that line's number low; validation loops do not, nor does what
       Tango does between one and the next step (the checkpoint it saves after a validation);
+    - ``step_time_s``: seconds per step since the previous line, on the slowest worker (its
+      wall time, as for samples/s, divided by the steps);
+    - ``tokens_per_step`` and ``tokens_per_second`` (= ``tokens_per_step / step_time_s``): the
+      tokens of a step, all workers together, for batches with an ``attention_mask`` (its
+      non-zero entries) or ``input_ids`` (every entry); ``null`` for other batches, whose
+      throughput is samples/s only (the run line says so);
+    - ``model_flops_per_step`` and ``model_flops_per_second``: the model's FLOPs of a step, all
+      workers together, counted by :class:`torch.utils.flop_counter.FlopCounterMode` over the
+      forward and backward passes of the run's first step as they execute (recomputed forward
+      passes of activation checkpointing included), other steps scaled by their sequence
+      positions or samples (see :class:`~tango_fairscale.throughput.WorkerMeter`);
+    - ``mfu``: ``model_flops_per_second`` over the sum of the workers' peak FLOP/s: a table of
+      dense peaks on GPUs (``null`` for a GPU not in it), a matmul measured once per run on CPU
+      workers, or ``peak_tflops``;
+    - ``collective_time_s``: seconds per step in FSDP's all-gathers and reduce-scatters on the
+      slowest worker (CPU workers of the ``"fairscale"`` engine, either backend; ``null`` where
+      they are not timed: on GPUs and with other engines);
     - ``peak_memory_mib``: the highest peak memory of any worker so far
       (:func:`~tango_fairscale.callbacks.peak_memory_mib`: allocated CUDA memory on GPUs, the
       process's resident set size on CPU workers), measured after the step's optimizer step;
     - ``time``: the Unix time at which the line was written.
+
+    Before the first training line of each run (a fresh start or a resume), a run line
+    (``"kind": "run"``, ``step``: the steps done before it) says how those figures are made:
+    ``world_size``, ``device``, ``compute_dtype``, ``peak_flops_per_second`` (all workers) and
+    ``peak_flops_per_second_per_worker``, ``peak`` (where worker 0's peak comes from, e.g. the
+    measured matmul), ``flops`` (how they are counted) with ``model_flops_counted`` (the counted
+    step and its FLOPs, all workers), ``tokens`` (what is counted as tokens, or that there are
+    none) and ``collectives`` (what is timed).
 
     A validation line (``"kind": "validation"``), after each validation loop, has ``step``,
     ``epoch``, ``time``, ``val_<name>`` for every scalar the model returned in validation
@@ -141,19 +186,28 @@ class MetricsLog(TrainCallback):
         Write a training line every this many steps, and for the first and the last step (the
         rule of Tango's ``log_every``). Samples/s then covers all the steps since the previous
         line. Validation lines are always written. Default: every step.
+    :param peak_tflops:
+        Each worker's peak in TFLOP/s for MFU, instead of the table of GPUs or the measurement on
+        CPU workers (for a GPU the table lacks). Default: none.
     """
 
-    def __init__(self, *args: Any, every: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, every: int = 1, peak_tflops: Optional[float] = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if every < 1:
             raise ValueError(f"fairscale::metrics: every must be >= 1, got {every}")
+        if peak_tflops is not None and not peak_tflops > 0:
+            raise ValueError(f"fairscale::metrics: peak_tflops must be positive, got {peak_tflops}")
         self.every = every
+        self.meter = meter_for(self.train_config, self.training_engine)
+        self.meter.set_peak(None if peak_tflops is None else peak_tflops * 1e12)
         self._started = False
+        self._first_step = 0
+        self._described = False  # whether this run's run line was written
         self._pending: Optional[_Pending] = None
         self._lr: Optional[float] = None
-        self._samples = 0  # this worker's samples since the previous line
-        self._seconds = 0.0  # this worker's training time since the previous line, clock aside
-        self._clock: Optional[float] = None  # perf_counter() when the running clock started
+        self._window = StepWindow(self.meter)  # this worker's figures since the previous line
         self._val_sums: Dict[str, Tuple[float, int]] = {}
 
     @property
@@ -163,18 +217,21 @@ class MetricsLog(TrainCallback):
 
     # --- Tango's hooks ------------------------------------------------------------------------
 
+    def pre_train_loop(self) -> None:
+        """Finds this worker's peak FLOP/s: on CPU workers, all workers measure at once, as they train."""
+        self.meter.peak()
+
     def pre_batch(self, step: int, epoch: int, batch: List[Dict[str, Any]]) -> None:
-        """Writes the previous step's line, and starts counting this step's samples."""
+        """Writes the previous step's line, and starts counting this step's samples and tokens."""
         if not self._started:
             # The first step this run takes is the number of steps done before it (0 unless
             # it resumed): no callback hook gets the resume step more directly.
             self._started = True
+            self._first_step = step
             if self.is_local_main_process:
                 self._drop_lines_after(step)
         self._flush()
-        if self._clock is None:
-            self._clock = time.perf_counter()
-        self._samples += sum(_batch_size(micro_batch) for micro_batch in batch)
+        self._window.start_step(step, batch)
         # Read before the optimizer step: the engine steps the LR scheduler right after it.
         self._lr = self._current_lr()
 
@@ -182,6 +239,7 @@ class MetricsLog(TrainCallback):
         self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
     ) -> None:
         """Keeps the step's loss and scalar outputs until its optimizer step is done."""
+        self._window.end_forward_backward(step)
         self._pending = _Pending(step, epoch, batch_loss, _sums(batch_outputs), self._lr)
 
     def log_batch(
@@ -194,7 +252,7 @@ class MetricsLog(TrainCallback):
     def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
         """Writes the step's line and stops the clock for the validation loop."""
         self._flush()
-        self._stop_clock()
+        self._window.pause()
         if val_step == 0:
             self._val_sums = {}
 
@@ -207,7 +265,7 @@ class MetricsLog(TrainCallback):
     def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
         """Writes the validation line."""
         self._flush()  # in case the loop had no batches
-        self._stop_clock()
+        self._window.pause()
         per_worker = self._gather(self._val_sums)
         self._val_sums = {}
         if not self.is_local_main_process:
@@ -239,19 +297,19 @@ class MetricsLog(TrainCallback):
         pending, self._pending = self._pending, None
         if pending is None or not self._should_write(pending.step):
             return  # the samples and seconds go into the next line
-        now = time.perf_counter()
-        seconds = self._seconds + (now - self._clock if self._clock is not None else 0.0)
-        local = {
+        local: Dict[str, Any] = {
             "loss": pending.local_loss,
             "outputs": pending.outputs,
-            "samples": self._samples,
-            "seconds": seconds,
+            "window": self._window.close(),
             "peak": peak_memory_mib(self.train_config.worker_local_default_device),
         }
-        self._samples, self._seconds = 0, 0.0
-        if self._clock is not None:
-            self._clock = now
+        if not self._described:
+            local["info"] = self.meter.info()
         gathered = self._gather(local)
+        if not self._described:
+            self._described = True
+            if self.is_local_main_process:
+                self._append(self._run_line([w["info"] for w in gathered]))
         if not self.is_local_main_process:
             return
         loss = pending.mean_loss
@@ -272,15 +330,36 @@ class MetricsLog(TrainCallback):
                 continue  # the same values as Tango's batch loss, which is `loss` already
             line[f"output_{key}" if key in RESERVED_FIELDS else key] = value
         line["lr"] = pending.lr
-        line["samples_per_second"] = sum(w["samples"] / w["seconds"] for w in gathered if w["seconds"] > 0)
+        windows: List[Window] = [w["window"] for w in gathered]
+        line["samples_per_second"] = sum(w.samples / w.seconds for w in windows if w.seconds > 0)
+        line.update(combine(windows))
         line["peak_memory_mib"] = max(w["peak"] for w in gathered)
         line["time"] = time.time()
         self._append(line)
 
-    def _stop_clock(self) -> None:
-        if self._clock is not None:
-            self._seconds += time.perf_counter() - self._clock
-            self._clock = None
+    def _run_line(self, infos: List[Any]) -> Dict[str, Any]:
+        """The line that says how this run's figures are made (see the class docstring)."""
+        first = infos[0]
+        peaks = [info.peak_flops_per_second for info in infos]
+        counted = [info.counted.get("flops") for info in infos]
+        return {
+            "step": self._first_step,
+            "kind": "run",
+            "world_size": len(infos),
+            "device": first.device,
+            "compute_dtype": first.compute_dtype,
+            "peak_flops_per_second": None if None in peaks else sum(peaks),
+            "peak_flops_per_second_per_worker": peaks,
+            "peak": first.peak,
+            "flops": first.flops,
+            "model_flops_counted": {
+                "step": first.counted.get("step"),
+                "flops": None if None in counted else sum(counted),
+            },
+            "tokens": first.tokens,
+            "collectives": first.collectives,
+            "time": time.time(),
+        }
 
     def _current_lr(self) -> Optional[float]:
         optimizer = getattr(self.training_engine, "optimizer", None)
@@ -313,7 +392,10 @@ class MetricsLog(TrainCallback):
                 line = json.loads(text)
             except json.JSONDecodeError:
                 continue
-            if isinstance(line, dict) and isinstance(line.get("step"), int) and line["step"] <= steps_done:
+            if not isinstance(line, dict) or not isinstance(line.get("step"), int):
+                continue
+            # A run line at steps_done belongs to a run that started there, which is redone now.
+            if line["step"] < steps_done or (line["step"] == steps_done and line.get("kind") != "run"):
                 kept.append(text + "\n")
         # Replaced in one rename, so a crash now leaves either the old file or the new one.
         temporary = self.path.with_name(self.path.name + ".tmp")
@@ -348,6 +430,8 @@ def metric_keys(lines: Iterable[Mapping[str, Any]]) -> List[str]:
     """The numeric fields of ``lines`` (not ``step``, ``epoch``, ``time``), in first-seen order."""
     keys: Dict[str, None] = {}
     for line in lines:
+        if line.get("kind", "train") not in METRIC_KINDS:
+            continue
         for key, value in line.items():
             if key not in NON_METRIC_FIELDS and _scalar(value) is not None:
                 keys.setdefault(key)
@@ -375,6 +459,7 @@ def plot_metrics(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    lines = [line for line in lines if line.get("kind", "train") in METRIC_KINDS]
     panels: Dict[str, List[str]] = {}
     for key in keys:
         panels.setdefault(panel_name(key), []).append(key)

@@ -464,3 +464,16 @@ class TokenData(Step):
             return [{"tokens": tokens[i]} for i in range(size)]
 
         return DatasetDict(splits={"train": make(train_size), "validation": make(validation_size)})
+
+
+@Step.register("test::lm_data")
+class LanguageModelData(Step):
+    """Random token sequences as a language model's batch (``input_ids``, ``labels``): a ``train`` split."""
+
+    DETERMINISTIC = True
+    CACHEABLE = True
+
+    def run(self, vocab_size: int = 64, length: int = 16, size: int = 256, seed: int = 0) -> DatasetDict:  # type: ignore[override]
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(vocab_size, (size, length), generator=generator)
+        return DatasetDict(splits={"train": [{"input_ids": t, "labels": t} for t in tokens]})

@@ -2,16 +2,15 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-from benchmarks.components import _TimedCollectives
 from benchmarks.gpu import MODELS, matmul_parameters, peak_tflops_for, training_flops_per_token
 from benchmarks.run import CONFIGS, GRAD_ACCUM, experiment
 from tests.helpers import REPO
@@ -30,7 +29,7 @@ def run_benchmarks(*arguments: str, timeout: float = 600) -> "subprocess.Complet
 
 
 def calls_per_step(record: Dict[str, Any], name: str) -> List[int]:
-    """A configuration's calls of a FairScale collective in each optimizer step, on every worker."""
+    """A configuration's calls of an FSDP collective in each optimizer step, on every worker."""
     return [calls for worker in record["workers"] for calls in worker["collective_calls_per_step"][name]]
 
 
@@ -59,8 +58,8 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         assert record["peak_rss_bytes_per_worker"] > 0
         assert record["step_time_s"] > 0
         assert len(record["workers"]) == record["world_size"]
-        # Time in FairScale's collectives is measured for the FairScale backend only (not for DDP
-        # or the engine's FSDP2 backend), in all of them and per function.
+        # Time in FSDP's collectives is measured for both backends of the engine (not for DDP's
+        # all-reduces), in all of them and per function.
         timed = ("collectives_time_s", "all_gather_time_s", "reduce_scatter_time_s")
         if CONFIGS[record["config"]].times_collectives:
             assert all(record[key] > 0 for key in timed), record["config"]
@@ -68,6 +67,21 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         else:
             assert all(record[key] is None for key in timed), record["config"]
             assert calls_per_step(record, "all_gather") == calls_per_step(record, "reduce_scatter") == []
+        # MFU: the metrics log's FLOPs of a step over the median step time and the measured peak.
+        assert record["model_flops_per_step"] > 0
+        assert (
+            record["mfu"]
+            == record["model_flops_per_step"] / record["step_time_s"] / data["peak"]["flops_per_second"]
+        )
+        assert 0 < record["mfu"] <= 1 and 0 < record["metrics_log_mfu"] <= 1
+    # The FLOPs of a step: those of one worker's batch times the workers (and the micro-batches).
+    one = records[("ddp", 1)]["model_flops_per_step"]
+    assert records[("fsdp", 2)]["model_flops_per_step"] == 2 * one
+    assert records[("fsdp2", 2)]["model_flops_per_step"] == 2 * one
+    assert records[("fsdp_accum", 2)]["model_flops_per_step"] == 2 * GRAD_ACCUM * one
+    # The machine's peak, measured once on all cores by the peak command the page names.
+    assert data["peak"]["command"] == f"python -m tango_fairscale peak --threads {os.cpu_count()} --seconds 3"
+    assert data["peak"]["flops_per_second"] > 0
     # Sharding shows up in the exact tensor accounting (no timing assertions), FSDP2 (the
     # engine's torch backend) included.
     ddp_state = records[("ddp", 2)]["state_bytes_per_worker"]
@@ -85,13 +99,16 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     gathers = calls_per_step(records[("fsdp_accum_local_no_reshard", 2)], "all_gather")
     assert max(gathers) < min(calls_per_step(records[("fsdp_accum_local", 2)], "all_gather"))
     table = (tmp_path / "benchmarks.md").read_text()
-    assert "| in collectives | all-gather | reduce-scatter |" in table
+    assert "| x FSDP2 | MFU | in collectives | all-gather | reduce-scatter |" in table
+    assert f"`{data['peak']['command']}`" in table
     for name in CONFIGS:
         assert f"| `{name}` | 2 |" in table
-    fsdp2_row = next(line for line in table.splitlines() if line.startswith("| `fsdp2` | 2 |"))
-    assert fsdp2_row.endswith("| - | - | - |")
-    fsdp_row = next(line for line in table.splitlines() if line.startswith("| `fsdp` | 2 |"))
-    assert fsdp_row.count(" s |") == 4  # the step time and the three collective times
+    ddp_row = next(line for line in table.splitlines() if line.startswith("| `ddp` | 2 |"))
+    assert ddp_row.endswith("| - | - | - |") and ddp_row.count(" % |") == 1
+    for name in ("fsdp", "fsdp2"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` | 2 |"))
+        assert row.count(" s |") == 4  # the step time and the three collective times
+        assert f"| {100 * records[(name, 2)]['mfu']:.2f} % |" in row
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -131,34 +148,6 @@ def test_experiments_configure_the_engine_and_gradient_accumulation() -> None:
     assert no_reshard["model"]["fsdp_config"] == {"reshard_after_forward": False}
 
 
-def test_timed_collectives_count_and_time_each_function() -> None:
-    class Inner:
-        def all_gather(self, delay: float) -> str:
-            time.sleep(delay)
-            return "gathered"
-
-        def reduce_scatter(self, delay: float) -> str:
-            time.sleep(delay)
-            return "scattered"
-
-        def barrier(self) -> str:
-            return "barrier"
-
-    inner = Inner()
-    timed = _TimedCollectives(inner)
-    assert timed.all_gather(0.02) == "gathered"
-    assert timed.all_gather(0.0) == "gathered"
-    assert timed.reduce_scatter(0.01) == "scattered"
-    assert timed.barrier == inner.barrier  # not timed: the inner module's own
-    assert timed.calls_by_name == {"all_gather": 2, "reduce_scatter": 1}
-    assert timed.seconds_by_name["all_gather"] >= 0.02
-    assert timed.seconds_by_name["reduce_scatter"] >= 0.01
-    assert timed.seconds == pytest.approx(sum(timed.seconds_by_name.values()))
-    timed.reset()
-    assert timed.calls_by_name == {"all_gather": 0, "reduce_scatter": 0}
-    assert timed.seconds == 0.0
-
-
 @pytest.mark.slow
 def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     # The GPU mode's harness (engine on world size 1, timing, tokens/s, MFU, report) on the CPU,
@@ -187,6 +176,7 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     )
     assert record["tokens_per_s"] == pytest.approx(expected_tokens_per_s)
     assert record["mfu"] == pytest.approx(record["flops_per_token"] * record["tokens_per_s"] / 1.5e12)
+    assert record["peak_tflops"] == 1.5
     assert set(data["skipped"]) == {"amp", "amp_mixed_precision"}
     table = (tmp_path / "gpu.md").read_text()
     assert "| `fp32` |" in table and "| `amp` | skipped: float16 AMP needs CUDA" in table
@@ -219,8 +209,12 @@ def test_training_flops_formula_matches_counted_flops() -> None:
 
 
 def test_peak_tflops_table() -> None:
+    # The GPU mode reads the package's table (tango_fairscale.throughput): half precision by default,
+    # each configuration's own dtype otherwise.
     assert peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.4
     assert peak_tflops_for("NVIDIA H100 PCIe") == 756.5
     assert peak_tflops_for("NVIDIA H200") == 989.4
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "float32") == 19.5
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "float32", tf32=True) == 156.0
     assert peak_tflops_for("Some Future Accelerator") is None

@@ -1,8 +1,11 @@
 """The README's configuration reference lists exactly the parameters the code takes."""
 
 import inspect
+import json
 import re
 from typing import Set
+
+from tango.integrations.torch import TrainCallback
 
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, with_wrapped_modules
 from tests.helpers import REPO
@@ -50,3 +53,27 @@ def test_architecture_lists_every_module() -> None:
     ]
     missing = [module for module in modules if f"`{module}`" not in text]
     assert not missing, f"docs/architecture.md does not say what these modules own: {missing}"
+
+
+def test_watching_a_run_lists_each_callback_and_its_options() -> None:
+    from rjsonnet import evaluate_snippet  # the jsonnet Tango reads configs with
+
+    section = README[README.index("## Watching a run") : README.index("## Checkpoints, resuming")]
+    block = re.search(r"```jsonnet\n(.*?)```", section, flags=re.S)
+    assert block is not None
+    callbacks = json.loads(evaluate_snippet("README", "{" + block.group(1) + "}"))["callbacks"]
+    assert [c["type"] for c in callbacks] == [
+        "fairscale::wandb",
+        "fairscale::tensorboard",
+        "fairscale::profile",
+        "fairscale::memory",
+    ]
+    for callback in callbacks:
+        parameters = inspect.signature(TrainCallback.by_name(callback["type"]).__init__).parameters
+        assert set(callback) - {"type"} <= set(parameters), callback
+    # Each logger's bullet names every option it takes.
+    for name in ("fairscale::wandb", "fairscale::tensorboard", "fairscale::profile"):
+        bullet = section[section.index(f"- **`{name}`**") :].split("\n- ", 1)[0]
+        named = set(re.findall(r"`(\w+)`", bullet.split("Options:", 1)[1]))
+        taken = set(inspect.signature(TrainCallback.by_name(name).__init__).parameters)
+        assert taken - {"self", "args", "kwargs"} <= named, name

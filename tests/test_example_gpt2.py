@@ -134,20 +134,51 @@ def test_generate_prints_text(trained) -> None:
 
 
 def test_format_summary_one_row_per_worker_and_a_total() -> None:
+    figures = {"tokens": 300 * 64, "flops": 3e11, "peak_flops_per_second": 1e11}
     stats = [
         WorkerStats(
-            worker=1, device="cpu", peak_memory_mib=600.25, samples=300, steps=30, train_seconds=10.0
+            worker=1,
+            device="cpu",
+            peak_memory_mib=600.25,
+            samples=300,
+            steps=30,
+            train_seconds=10.0,
+            collective_seconds=6.0,
+            **figures,
         ),
-        WorkerStats(worker=0, device="cpu", peak_memory_mib=512.0, samples=300, steps=30, train_seconds=6.0),
+        WorkerStats(
+            worker=0,
+            device="cpu",
+            peak_memory_mib=512.0,
+            samples=300,
+            steps=30,
+            train_seconds=6.0,
+            collective_seconds=3.0,
+            **figures,
+        ),
     ]
     lines = format_summary(stats).splitlines()
-    assert lines[0].split() == ["worker", "device", "peak", "memory", "(MiB)", "samples/s", "steps"]
+    assert lines[0].split() == [
+        "worker",
+        "device",
+        "peak",
+        "memory",
+        "(MiB)",
+        "samples/s",
+        "tokens/s",
+        "MFU",
+        "collectives",
+        "(s/step)",
+        "steps",
+    ]
     assert set(lines[1]) == {"-", " "}
-    assert lines[2].split() == ["0", "cpu", "512.0", "50.0", "30"]
-    assert lines[3].split() == ["1", "cpu", "600.2", "30.0", "30"]
+    # 3e11 FLOPs in 6 s against a peak of 1e11 FLOP/s: 50 %.
+    assert lines[2].split() == ["0", "cpu", "512.0", "50.0", "3200.0", "50.00%", "0.100", "30"]
+    assert lines[3].split() == ["1", "cpu", "600.2", "30.0", "1920.0", "30.00%", "0.200", "30"]
     assert set(lines[4]) == {"-", " "}
-    # The total: the highest peak, the summed throughput.
-    assert lines[5].split() == ["all", "600.2", "80.0", "30"]
+    # The total: the highest peak, the summed throughput, all FLOP/s over all peaks, the slowest
+    # worker's time in collectives.
+    assert lines[5].split() == ["all", "600.2", "80.0", "5120.0", "40.00%", "0.200", "30"]
     # Columns line up: every row is as wide as the header's columns need.
     assert len({line.index("cpu") for line in lines[2:4]}) == 1
 
@@ -158,7 +189,8 @@ def test_format_summary_single_worker_has_no_total() -> None:
     ]
     lines = format_summary(stats).splitlines()
     assert len(lines) == 3
-    assert lines[2].split() == ["0", "cuda:0", "1.5", "0.0", "0"]
+    # Nothing measured yet, no tokens, no peak: dashes.
+    assert lines[2].split() == ["0", "cuda:0", "1.5", "0.0", "-", "-", "-", "0"]
 
 
 def test_memory_callback_counts_samples_and_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -190,13 +222,17 @@ def test_memory_callback_counts_samples_and_steps(tmp_path: Path, capsys: pytest
     (worker,) = summary["workers"]
     assert (worker["worker"], worker["device"], worker["samples"], worker["steps"]) == (0, "cpu", 24, 3)
     assert worker["peak_memory_mib"] > 0
+    # input_ids of 4 x 5: 40 tokens a step. No model ran between the hooks: no FLOPs, MFU 0.
+    assert worker["tokens"] == 120 and worker["tokens_per_second"] == 120 / worker["train_seconds"]
+    assert worker["flops"] == 0.0 and worker["mfu"] == 0.0 and worker["peak_flops_per_second"] > 0
+    assert worker["collective_seconds"] is None  # no timed collective ran in this process
 
     # A resumed run continues the counts.
     resumed = MemoryCallback(
         workspace=None, train_config=config, training_engine=None, dataset_dict=None, train_dataloader=None
     )
     resumed.load_state_dict(callback.state_dict())
-    assert (resumed.samples, resumed.steps) == (24, 3)
+    assert (resumed.samples, resumed.steps, resumed.tokens) == (24, 3, 120)
 
 
 def test_memory_callback_is_registered() -> None:

@@ -35,8 +35,13 @@ def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))
 
 
-def read_lines(path: Path) -> List[Dict[str, Any]]:
+def read_all(path: Path) -> List[Dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_lines(path: Path) -> List[Dict[str, Any]]:
+    """The training and validation lines (not the run lines, which describe each run)."""
+    return [line for line in read_all(path) if line["kind"] != "run"]
 
 
 def png_size(path: Path) -> Tuple[int, int]:
@@ -129,13 +134,21 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     train_step(callback, clock, 2, [{"loss": torch.tensor(0.5)}], seconds=1.0, logged_loss=0.5)
     callback.post_train_loop(2, 0)
 
-    lines = read_lines(tmp_path / METRICS_FILE_NAME)
+    run, *lines = read_all(tmp_path / METRICS_FILE_NAME)
     assert [(line["kind"], line["step"]) for line in lines] == [
         ("train", 1),
         ("train", 2),
         ("validation", 2),
         ("train", 3),
     ]
+    # The run line comes first and says what the figures are: these batches (x, y) have no
+    # tokens; FLOPs are counted on the first step (this test's steps compute nothing).
+    assert run["kind"] == "run" and run["step"] == 0 and run["world_size"] == 1
+    assert run["device"] == "cpu" and run["compute_dtype"] == "float32"
+    assert run["tokens"].startswith("none:") and "samples/s only" in run["tokens"]
+    assert run["flops"].startswith("FlopCounterMode: forward and backward of step 1")
+    assert run["model_flops_counted"] == {"step": 1, "flops": 0.0}
+    assert "not measured" in run["collectives"]
     first, second, validation, third = lines
     assert first["loss"] == 1.75 and first["mae"] == 1.0 and first["count"] == 4.0
     assert "prediction" not in first  # not a scalar
@@ -143,6 +156,8 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     # 8 samples in 2 s, the clock started by the first pre_batch.
     assert first["samples_per_second"] == 4.0
     assert first["peak_memory_mib"] > 10  # this process's peak RSS (a CPU "device")
+    assert first["step_time_s"] == 2.0 and first["tokens_per_second"] is None
+    assert first["model_flops_per_step"] == 0.0 and first["collective_time_s"] is None
     # The worker's own loss where Tango gave none; a model output named like a field is renamed;
     # a NaN mean is null (JSON has no NaN); booleans are not numbers to plot.
     assert second["loss"] == 2.0 and second["output_lr"] == 8.0 and second["mae"] is None
@@ -159,7 +174,61 @@ def test_one_line_per_step_with_every_scalar_output(tmp_path: Path, monkeypatch:
     }
     # The validation's 10 s are not in the third step's time: 4 samples in 1 s.
     assert third["samples_per_second"] == 4.0 and third["lr"] == 0.2
+    assert (second["step_time_s"], third["step_time_s"]) == (4.0, 1.0)
     assert first["time"] <= second["time"] <= validation["time"] <= third["time"]
+
+
+def test_tokens_model_flops_and_mfu_of_real_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small sequence model trained between the hooks as Tango's loop does it: the FLOPs the
+    # log gives a step are FlopCounterMode's count of the same forward and backward passes.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    callback = make_callback(tmp_path, train_steps=2, peak_tflops=0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 32), torch.nn.Linear(32, 16))
+
+    def forward_backward(micro_batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(micro_batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro_batch["input_ids"].flatten())
+        loss.backward()
+        return loss.detach()
+
+    def lm_batch(size: int, length: int, padding: int) -> Dict[str, torch.Tensor]:
+        mask = torch.ones(size, length, dtype=torch.long)
+        mask[:, length - padding :] = 0
+        return {"input_ids": torch.randint(16, (size, length)), "attention_mask": mask}
+
+    # Step 1: two micro-batches of 4 sequences of 6 positions, 1 of them padding.
+    step1 = [lm_batch(4, 6, 1), lm_batch(4, 6, 1)]
+    with FlopCounterMode(display=False) as reference:
+        for micro_batch in step1:
+            forward_backward(micro_batch)
+    counted = reference.get_total_flops()
+    assert counted > 0
+    model.zero_grad()
+
+    callback.pre_train_loop()
+    for step, batch in enumerate([step1, [lm_batch(4, 9, 0)]]):
+        callback.pre_batch(step, 0, batch)
+        losses = [forward_backward(micro_batch) for micro_batch in batch]
+        callback.post_batch(step, 0, float(sum(losses)) / len(losses), [{"loss": loss} for loss in losses])
+        clock.now += 2.0
+    callback.post_train_loop(1, 0)
+
+    run, first, second = read_all(tmp_path / METRICS_FILE_NAME)
+    assert run["tokens"] == "attention_mask: its non-zero entries"
+    assert run["peak"] == "given: 0.5 TFLOP/s" and run["peak_flops_per_second"] == 0.5e12
+    assert run["model_flops_counted"] == {"step": 1, "flops": counted}
+    assert first["model_flops_per_step"] == counted
+    assert first["tokens_per_step"] == 2 * 4 * 5 and first["step_time_s"] == 2.0
+    assert first["tokens_per_second"] == 20.0
+    assert first["model_flops_per_second"] == counted / 2.0
+    assert first["mfu"] == pytest.approx(counted / 2.0 / 0.5e12)
+    # Step 2: 36 positions against step 1's 48: its FLOPs scaled from the counted step's.
+    assert second["model_flops_per_step"] == pytest.approx(counted * 36 / 48)
+    assert second["tokens_per_step"] == 36 and second["samples_per_second"] == 2.0
 
 
 def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +243,7 @@ def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch:
     assert [line["loss"] for line in lines] == [0.0, 1.0, 3.0, 4.0]
     # Samples/s covers every step since the previous line: 2 steps of 4 samples in 2 s.
     assert [line["samples_per_second"] for line in lines] == [4.0, 4.0, 4.0, 4.0]
+    assert [line["step_time_s"] for line in lines] == [1.0, 1.0, 1.0, 1.0]
 
     with pytest.raises(ValueError, match="every must be >= 1"):
         make_callback(tmp_path, train_steps=5, every=0)
@@ -185,6 +255,9 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     path = tmp_path / METRICS_FILE_NAME
     before = [{"step": step, "kind": "train", "loss": 10.0 + step} for step in range(1, 7)]
     before.insert(4, {"step": 4, "kind": "validation", "val_loss": 1.0})
+    # The first run's run line, and that of a run that resumed after step 4 and crashed again.
+    before.insert(0, {"step": 0, "kind": "run"})
+    before.insert(6, {"step": 4, "kind": "run"})
     # A crash while writing leaves half a line at the end.
     path.write_text("".join(json.dumps(line) + "\n" for line in before) + '{"step": 7, "kind": "tr')
 
@@ -193,13 +266,15 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     for step in (4, 5):
         train_step(callback, clock, step, [{"loss": torch.tensor(float(step))}])
     callback.post_train_loop(5, 0)
-    lines = read_lines(path)
+    lines = read_all(path)
     assert [(line["kind"], line["step"], line.get("loss")) for line in lines] == [
+        ("run", 0, None),
         ("train", 1, 11.0),
         ("train", 2, 12.0),
         ("train", 3, 13.0),
         ("train", 4, 14.0),
         ("validation", 4, None),
+        ("run", 4, None),  # this run's, written with its first line
         ("train", 5, 4.0),
         ("train", 6, 5.0),
     ]
@@ -208,7 +283,10 @@ def test_a_resumed_run_drops_the_lines_it_redoes(tmp_path: Path, monkeypatch: py
     fresh = make_callback(tmp_path, train_steps=1)
     train_step(fresh, clock, 0, [{"loss": torch.tensor(0.25)}])
     fresh.post_train_loop(0, 0)
-    assert [(line["step"], line["loss"]) for line in read_lines(path)] == [(1, 0.25)]
+    assert [(line["kind"], line["step"], line.get("loss")) for line in read_all(path)] == [
+        ("run", 0, None),
+        ("train", 1, 0.25),
+    ]
 
 
 def test_in_a_tango_run_with_the_torch_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -397,6 +475,17 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
         assert line["lr"] == pytest.approx(0.01 if line["step"] <= 4 else 0.005)
         assert line["samples_per_second"] > 0 and line["peak_memory_mib"] > 50
         assert line["epoch"] == 0  # 256 samples, 16 a step: one epoch is 16 steps
+        # Throughput: these batches (x, y) have no tokens; the same FLOPs every step (both
+        # runs counted their first step); the fairscale backend's rings are timed.
+        assert line["tokens_per_step"] is None and line["tokens_per_second"] is None
+        assert line["model_flops_per_step"] == training[0]["model_flops_per_step"] > 0
+        assert line["model_flops_per_second"] * line["step_time_s"] == pytest.approx(
+            line["model_flops_per_step"]
+        )
+        assert 0 < line["mfu"] <= 1 and line["collective_time_s"] > 0
+    runs = [line for line in read_all(path) if line["kind"] == "run"]
+    assert [(run["step"], run["model_flops_counted"]["step"]) for run in runs] == [(0, 1), (4, 5)]
+    assert all(run["model_flops_counted"]["flops"] == training[0]["model_flops_per_step"] for run in runs)
     for line in (lines[4], lines[-1]):
         assert set(line) == {
             "step",
@@ -413,7 +502,8 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
 
     assert main(["plot", str(work_dir)]) == 0
     assert (
-        "6 panels (loss, mae, batch_size, lr, samples_per_second, peak_memory_mib)" in capsys.readouterr().out
-    )
+        "11 panels (loss, mae, batch_size, lr, samples_per_second, step_time_s, model_flops_per_step, "
+        "model_flops_per_second, mfu, collective_time_s, peak_memory_mib)"
+    ) in capsys.readouterr().out
     width, height = png_size(work_dir / "metrics.png")
     assert width > 0 and height > 0 and (work_dir / "metrics.png").stat().st_size > 10_000

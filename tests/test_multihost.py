@@ -9,6 +9,7 @@ except in the torchrun-restart test, which checks what a shared filesystem adds.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -440,6 +441,8 @@ def one_host_reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, to
 
 
 _uninterrupted: Dict[str, Hosts] = {}
+#: Whether the loggers extra is installed: the uninterrupted run is then watched with fairscale::wandb.
+WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def uninterrupted(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Hosts:
@@ -447,7 +450,14 @@ def uninterrupted(network: Network, tmp_path_factory: pytest.TempPathFactory) ->
     the namespaces under torchrun's static rendezvous (the other tests cover the other launchers)."""
     if network.name not in _uninterrupted:
         root = tmp_path_factory.mktemp(f"two_hosts_{network.name}")
-        hosts = Hosts(network, root, "slurm" if network.name == "loopback" else "static", config())
+        experiment, env = config(), {}
+        if WANDB:
+            # Watched with fairscale::wandb (test_wandb_across_hosts_...): the same run, no other.
+            experiment["steps"]["train"]["callbacks"] = [*CALLBACKS, {"type": "fairscale::wandb", "every": 1}]
+            env = {"WANDB_MODE": "offline"}
+            for name in ("CONFIG", "CACHE", "DATA"):
+                env[f"WANDB_{name}_DIR"] = str(root / f"wandb-{name.lower()}")
+        hosts = Hosts(network, root, "slurm" if network.name == "loopback" else "static", experiment, env=env)
         started = time.monotonic()
         hosts.run()
         print(f"[{network.name}] uninterrupted two-host run: {time.monotonic() - started:.1f} s")
@@ -693,3 +703,41 @@ def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
         assert max_abs_difference(consolidation.consolidate(final), _weights(hosts, node)) == 0.0
     mesh = "('replicate', 'shard') 2 x 2" if hybrid else "('shard',) 4"
     assert f"Sharding over the device mesh {mesh}" in hosts.output(0)
+
+
+# --- Watching a run across hosts ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_wandb_across_hosts_logs_every_worker_from_global_rank_zero(
+    network: Network, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """
+    The uninterrupted two-host run (2 workers a host) watched with fairscale::wandb in W&B's
+    offline mode: one run, on host 0 only (global rank 0), every step once, each with the figures
+    of all 4 workers, which reach rank 0 through the rendezvous store (no collective).
+    """
+    if not WANDB:
+        pytest.skip("the loggers extra: pip install 'tango-fairscale[loggers]'")
+    from tests.test_loggers import wandb_history
+
+    hosts = uninterrupted(network, tmp_path_factory)
+    work_dirs = [train_work_dir(hosts.workspace(node)) for node in range(2)]
+    assert not (work_dirs[1] / "wandb").exists()  # host 1's workers only send their figures
+    (directory,) = (work_dirs[0] / "wandb").glob("offline-run-*")
+    run_id, rows = wandb_history(next(directory.glob("run-*.wandb")))
+    assert directory.name.endswith(f"-{run_id}")
+    losses = {
+        line["step"]: line["loss"]
+        for line in map(json.loads, (work_dirs[0] / "metrics.jsonl").read_text().splitlines())
+        if line["kind"] == "train"
+    }
+    assert [step for step, _ in rows] == list(range(1, TRAIN_STEPS + 1))
+    for step, values in rows:
+        assert values["train/loss"] == pytest.approx(losses[step], rel=1e-6)
+        for rank in range(4):
+            assert values[f"worker{rank}/peak_memory_mib"] > 0
+            assert values[f"worker{rank}/samples_per_second"] > 0
+            assert 0 < values[f"worker{rank}/mfu"] <= 1
+        # The toy regression batches have no tokens: samples/s only.
+        assert "train/tokens_per_second" not in values and values["train/samples_per_second"] > 0

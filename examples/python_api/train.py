@@ -141,10 +141,14 @@ def main() -> None:
 
     metrics_file = workspace.work_dir(train) / METRICS_FILE_NAME
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    first, last = lines[0], [line for line in lines if line["kind"] == "train"][-1]
+    # The first line of a run describes how its throughput figures are made ("kind": "run").
+    training = [line for line in lines if line["kind"] == "train"]
+    first, last = training[0], training[-1]
     validation = [line for line in lines if line["kind"] == "validation"][-1]
     print(f"train loss: step {first['step']} {first['loss']:.4f} -> step {last['step']} {last['loss']:.4f}")
     print(f"mae at step {last['step']}: {last['mae']:.4f}; validation loss {validation['val_loss']:.4f}")
+    mfu = "unknown (no peak for this device)" if last["mfu"] is None else f"{100 * last['mfu']:.3f} %"
+    print(f"step {last['step']}: {last['samples_per_second']:.0f} samples/s, MFU {mfu}")
     print(f"evaluate step, validation MSE of the trained model: {mse:.4f}")
     print(f"metrics log: {metrics_file} ({len(lines)} lines)")
 

@@ -17,6 +17,8 @@ from typing import Any, List, cast
 import torch
 import torch.distributed as dist
 
+from .timing import timed
+
 
 class GlooCollectives(types.ModuleType):
     """
@@ -29,12 +31,18 @@ class GlooCollectives(types.ModuleType):
     moves. Every call that FairScale makes synchronously with equal-sized contiguous pieces takes
     the ring; anything else goes to gloo's own collective. Which path is taken depends only on
     shapes, dtypes and layouts, which are the same on every worker, so workers never disagree.
+    Each call, either path, is timed (:mod:`tango_fairscale.cpu.timing`).
     """
 
     @staticmethod
     def all_gather(
         tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
     ) -> Any:
+        with timed("all_gather"):
+            return GlooCollectives._all_gather(tensor_list, tensor, group, async_op)
+
+    @staticmethod
+    def _all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
         ring = Ring(group)
         if async_op or not ring_compatible(tensor_list, tensor, ring.size):
             return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -53,6 +61,13 @@ class GlooCollectives(types.ModuleType):
         op: Any = dist.ReduceOp.SUM,
         group: Any = None,
         async_op: bool = False,
+    ) -> Any:
+        with timed("reduce_scatter"):
+            return GlooCollectives._reduce_scatter(output, input_list, op, group, async_op)
+
+    @staticmethod
+    def _reduce_scatter(
+        output: torch.Tensor, input_list: List[torch.Tensor], op: Any, group: Any, async_op: bool
     ) -> Any:
         ring = Ring(group)
         if (

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ...cpu.collectives import GlooCollectives, ring_compatible
+from ...cpu.timing import timed
 
 
 class _Allocate:
@@ -42,8 +43,11 @@ class RingAllGather(_Allocate, AllGather):
         world_size = dist.get_world_size(group)
         pieces = list(output_tensor.chunk(world_size))
         if not ring_compatible(pieces, input_tensor, world_size):
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        GlooCollectives.all_gather(pieces, input_tensor, group=group)
+            with timed("all_gather"):
+                return dist.all_gather_into_tensor(
+                    output_tensor, input_tensor, group=group, async_op=async_op
+                )
+        GlooCollectives.all_gather(pieces, input_tensor, group=group)  # timed there
         return None  # done: FSDP2 waits only on a Work
 
 
@@ -65,13 +69,16 @@ class RingReduceScatter(_Allocate, ReduceScatter):
         world_size = dist.get_world_size(group)
         pieces = list(input_tensor.chunk(world_size))
         average = op == dist.ReduceOp.AVG
-        if not (average or op == dist.ReduceOp.SUM) or not ring_compatible(pieces, output_tensor, world_size):
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
-        GlooCollectives.reduce_scatter(output_tensor, pieces, op=dist.ReduceOp.SUM, group=group)
-        if average:
-            output_tensor.div_(world_size)
+        with timed("reduce_scatter"):
+            if not (average or op == dist.ReduceOp.SUM) or not ring_compatible(
+                pieces, output_tensor, world_size
+            ):
+                return dist.reduce_scatter_tensor(
+                    output_tensor, input_tensor, op=op, group=group, async_op=async_op
+                )
+            GlooCollectives._reduce_scatter(output_tensor, pieces, dist.ReduceOp.SUM, group, False)
+            if average:
+                output_tensor.div_(world_size)
         return None
 
 

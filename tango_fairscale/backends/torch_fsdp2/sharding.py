@@ -5,7 +5,7 @@ half of the engine's ``backend: "torch"``.
 FSDP2 shards each parameter as a :class:`~torch.distributed.tensor.DTensor` (dim 0 across the
 mesh) instead of FairScale's flat per-unit buffers, works on CPU meshes over gloo as well as on
 GPUs over NCCL, and saves checkpoints through ``torch.distributed.checkpoint``
-(:mod:`tango_fairscale.backends.torch_fsdp_checkpoint`). This module maps the FairScale-shaped
+(:mod:`tango_fairscale.backends.torch_fsdp2.checkpoint`). This module maps the FairScale-shaped
 :class:`~tango_fairscale.FSDPConfig` onto it, field by field (:data:`OPTION_TABLE`, checked by
 :func:`check_options`), and applies a :class:`~tango_fairscale.WrapPlan` (:func:`shard_model`).
 
@@ -473,7 +473,7 @@ def full_state_dict(model: nn.Module, config: Optional[FSDPConfig] = None) -> Di
     The plain model's state dict (unsharded tensors, plain names), gathered one tensor at a time:
     on ``config.state_dict_device`` (default: where the parameters are), and only on rank 0 with
     ``config.state_dict_on_rank_0_only`` (``{}`` elsewhere). Collective: every worker calls it.
-    For checkpoints use :mod:`~tango_fairscale.backends.torch_fsdp_checkpoint`, which never
+    For checkpoints use :mod:`~tango_fairscale.backends.torch_fsdp2.checkpoint`, which never
     gathers.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
