@@ -171,7 +171,7 @@ class MetricsLog(TrainCallback):
     Tango's own validation metric, and ``best_val_<val_metric_name>``.
 
     A step's line is written once its optimizer step is done, when the next step (or a
-    validation loop, or the end of training) starts; each line is flushed as it is written, so
+    validation loop, a checkpoint, or the end of training) starts; each line is flushed as it is written, so
     a crashed run keeps the lines of the steps it finished. Non-finite numbers are written as
     ``null``. Writing a line takes one small ``all_gather_object`` over the workers.
 
@@ -282,6 +282,15 @@ class MetricsLog(TrainCallback):
     def post_train_loop(self, step: int, epoch: int) -> None:
         """Writes the last step's line."""
         self._flush()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """
+        Writes the pending step's line. Tango asks every callback for its state on every worker
+        just before it saves a checkpoint: a run killed after that checkpoint resumes after this
+        step and never redoes it, so its line must be in the file before the save.
+        """
+        self._flush()
+        return super().state_dict()
 
     # --- the lines ----------------------------------------------------------------------------
 

@@ -507,3 +507,39 @@ def test_two_workers_crash_resume_and_plot(tmp_path: Path, capsys: pytest.Captur
     ) in capsys.readouterr().out
     width, height = png_size(work_dir / "metrics.png")
     assert width > 0 and height > 0 and (work_dir / "metrics.png").stat().st_size > 10_000
+
+
+def test_a_crash_right_after_a_checkpoint_keeps_the_checkpointed_steps_line(tmp_path: Path) -> None:
+    # Every worker fails before step index 3, right after the checkpoint of step 3 (the failing
+    # callback runs before the logs' own pre_batch). The rerun resumes after step 3 and never redoes
+    # it: its line and row must have been written before the checkpoint was saved.
+    config = train_config(
+        engine="fairscale",
+        train_steps=6,
+        checkpoint_every=3,
+        callbacks=[
+            {"type": "test::fail_once", "step": 3},
+            {"type": "fairscale::metrics"},
+            {"type": "fairscale::tensorboard", "every": 1},
+            {"type": "test::record_losses"},
+        ],
+    )
+    work_dir = tmp_path / "work"
+    (first,) = harness.run([harness.Train(config, work_dir)], out=tmp_path / "first")
+    assert all(error is not None and "deliberate failure before step 3" in error for error in first.errors)
+    assert [line["step"] for line in read_lines(work_dir / METRICS_FILE_NAME)] == [1, 2, 3]
+
+    harness.train(config, work_dir)
+    lines = read_lines(work_dir / METRICS_FILE_NAME)
+    assert [(line["kind"], line["step"]) for line in lines] == [("train", step) for step in range(1, 7)]
+    losses = json.loads((work_dir / "losses.json").read_text())
+    assert {str(line["step"] - 1): line["loss"] for line in lines if line["kind"] == "train"} == losses
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work_dir / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [event.step for event in scalars] == list(range(1, 7))
+    for event in scalars:
+        assert event.value == pytest.approx(losses[str(event.step - 1)], rel=1e-6)

@@ -237,6 +237,19 @@ class RankZeroLogger(TrainCallback):
             self._drain(final=True)
             self.close()
 
+    def state_dict(self) -> Dict[str, Any]:
+        """
+        Sends this step's record, and on global rank 0 writes (and journals) every row up to it.
+        Tango asks every callback for its state on every worker just before it saves a
+        checkpoint: a run killed after that checkpoint resumes after this step and never redoes
+        it, so its row must be written before the save (the other workers send theirs at the
+        same point, so the wait is short).
+        """
+        self._finish_window()
+        if self.is_writer and self._opened:
+            self._drain(final=True)
+        return super().state_dict()
+
     # --- every worker: its records -----------------------------------------------------------------
 
     def _should_log(self, step: int) -> bool:
