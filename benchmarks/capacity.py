@@ -77,11 +77,17 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any], Optional[Dict[str, Any]], str]] = 
         {"fsdp_config": {}},
         'PyTorch FSDP2 (fully_shard) through the engine\'s backend "torch": one unit per block, init_on_meta',
     ),
+    "fsdp2_ckpt": (
+        "benchmark::fairscale_limited",
+        {"backend": "torch", "init_on_meta": True},
+        {"fsdp_config": {}, "activation_checkpointing": True},
+        "fsdp2 and activation checkpointing",
+    ),
 }
 
 #: Model-state bytes per parameter on one worker before sharding, for first guesses only:
 #: parameters, gradients and Adam's two moments (16), and DDP's gradient buckets (4 more).
-STATE_BYTES = {"ddp": 20.0, "fsdp": 16.0, "fsdp_ckpt": 16.0, "fsdp2": 16.0}
+STATE_BYTES = {"ddp": 20.0, "fsdp": 16.0, "fsdp_ckpt": 16.0, "fsdp2": 16.0, "fsdp2_ckpt": 16.0}
 
 
 def block_parameters(shape: Dict[str, int]) -> int:
@@ -426,7 +432,7 @@ def activation_bytes_per_block(name: str, shape: Dict[str, int], batch_size: int
     activation checkpointing.
     """
     d, tokens = shape["n_embd"], batch_size * shape["n_positions"]
-    if name == "fsdp_ckpt":
+    if name.endswith("_ckpt"):
         return tokens * d * 4
     return tokens * (17 * d + 3 * shape["n_head"] * shape["n_positions"]) * 4
 
@@ -684,6 +690,8 @@ TARGETS = [
     ("fsdp2", 4, 3.2),
     ("fsdp_ckpt", 2, 2.0),
     ("fsdp_ckpt", 4, 3.6),
+    ("fsdp2_ckpt", 2, 2.0),
+    ("fsdp2_ckpt", 4, 3.6),
 ]
 
 

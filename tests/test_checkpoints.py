@@ -44,7 +44,7 @@ SLOW_DOWN: Dict[str, Any] = {"type": "test::slow_down", "seconds": 0.15}
 BACKENDS = ["fairscale", "torch"]
 #: The torch backend's resharding runs are extended: make test covers DCP's resharding at library
 #: level (test_torch_backend.py).
-BACKENDS_CI = ["fairscale", pytest.param("torch", marks=pytest.mark.extended)]
+RESHARDING_BACKENDS = ["fairscale", pytest.param("torch", marks=pytest.mark.extended)]
 
 
 def backend_engine(backend: str, **extra: Any) -> Dict[str, Any]:
@@ -79,10 +79,9 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
     return run
 
 
-#: The kill and rerun through the CLI, once per backend: the torch backend's is extended, as make
-#: test kills and reruns a torch-backend run across two hosts (test_multihost.py).
+#: The kill and rerun through the CLI, once per backend.
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS_CI)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -204,7 +203,7 @@ def resume_on(workers: int, source: Path, tmp_path: Path, backend: str = "fairsc
     return work_dir
 
 
-@pytest.mark.parametrize("backend", BACKENDS_CI)
+@pytest.mark.parametrize("backend", RESHARDING_BACKENDS)
 @pytest.mark.parametrize("workers", [3, pytest.param(4, marks=pytest.mark.extended)])
 def test_resume_on_another_world_size(
     workers: int, backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path
