@@ -7,6 +7,7 @@ W&B callback across two hosts is in ``test_multihost.py``.
 
 import glob
 import json
+import signal
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from tango_fairscale.metrics import METRICS_FILE_NAME
-from tests.helpers import kill_after_checkpoint, run_tango, train_config, train_work_dir
+from tests import harness
+from tests.helpers import kill_after_checkpoint, run_tango, train_config
 
 pytest.importorskip("wandb", reason="the loggers extra: pip install 'tango-fairscale[loggers]'")
 pytest.importorskip("tensorboard", reason="the loggers extra: pip install 'tango-fairscale[loggers]'")
@@ -81,14 +83,15 @@ def counted_flops() -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.slow
-def test_two_workers_through_a_kill_and_a_rerun(tmp_path: Path, wandb_offline: None) -> None:
+def logged_config(*extra_callbacks: Dict[str, Any]) -> Dict[str, Any]:
+    """GPT-2 on 2 workers, nested units, every logger on, checkpoints after steps 6 and 12."""
     config = train_config(
         engine="fairscale",
         train_steps=TRAIN_STEPS,
         checkpoint_every=6,
         model={"type": "test::hf_gpt2", **GPT2},
         callbacks=[
+            *extra_callbacks,
             {"type": "fairscale::memory"},
             {"type": "fairscale::wandb", "project": "tango-fairscale-tests", "every": 1},
             {"type": "fairscale::tensorboard", "every": 1},
@@ -108,11 +111,35 @@ def test_two_workers_through_a_kill_and_a_rerun(tmp_path: Path, wandb_offline: N
         "vocab_size": GPT2["vocab_size"],
         "length": GPT2["n_positions"],
     }
+    return config
+
+
+def test_two_workers_through_a_kill_and_a_rerun(tmp_path: Path, wandb_offline: None) -> None:
+    # Every worker SIGKILLed right after the checkpoint of step 6 (before step index 6), in the
+    # in-process workers; the rerun resumes from it.
+    config = logged_config({"type": "test::kill_once", "step": 6})
+    work_dir = tmp_path / "work"
+    (first,) = harness.run([harness.Train(config, work_dir)], out=tmp_path / "first")
+    assert first.exitcodes == [-signal.SIGKILL] * 2, first.describe()
+    result = harness.train(config, work_dir)
+    assert "Recovering from previous run at " + str(work_dir / "checkpoint_state_step6") in result.logs
+    check_logs(work_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_two_workers_through_a_kill_and_a_rerun_of_tango_run(tmp_path: Path, wandb_offline: None) -> None:
+    # The same through the CLI: the main process and every worker killed together.
+    config = logged_config()
     workspace, cwd = tmp_path / "ws", tmp_path / "cwd"
     work_dir = kill_after_checkpoint(config, workspace, cwd)
     result = run_tango(config, workspace, cwd=cwd)
     assert "Recovering from previous run" in result.stdout + result.stderr
+    check_logs(work_dir)
 
+
+def check_logs(work_dir: Path) -> None:
+    """What a run of :func:`logged_config` killed after step 6 and rerun leaves in ``work_dir``."""
     # --- the metrics log: a run line per run, each step once, its throughput figures ---------------
     lines = [json.loads(line) for line in (work_dir / METRICS_FILE_NAME).read_text().splitlines()]
     runs = [line for line in lines if line["kind"] == "run"]
@@ -183,7 +210,7 @@ def test_two_workers_through_a_kill_and_a_rerun(tmp_path: Path, wandb_offline: N
         assert any("send" in name for name in names) and any("recv" in name for name in names)
 
     # --- the memory callback's summary: each worker's tokens/s and MFU -------------------------------
-    summary = json.loads((train_work_dir(workspace) / "memory_summary.json").read_text())
+    summary = json.loads((work_dir / "memory_summary.json").read_text())
     for worker in summary["workers"]:
         assert worker["tokens_per_second"] > 0 and 0 < worker["mfu"] <= 1
         assert worker["collective_seconds_per_step"] > 0
