@@ -62,6 +62,8 @@ class Config(NamedTuple):
     wrapper: Optional[Dict[str, Any]]
     #: Options of the ``torch::train`` step itself, e.g. ``grad_accum``.
     step_options: Dict[str, Any] = {}
+    #: Environment variables of the run, e.g. ``MALLOC_MMAP_THRESHOLD_``.
+    env: Dict[str, str] = {}
 
     @property
     def grad_accum(self) -> int:
@@ -91,6 +93,14 @@ CONFIGS: Dict[str, Config] = {
     # PyTorch FSDP2 (fully_shard) through the engine's torch backend, with the same wrap plan.
     "fsdp2": Config("fairscale", {"backend": "torch", "init_on_meta": True}, {"fsdp_config": {}}),
     "fsdp2_eager_init": Config("fairscale", {"backend": "torch"}, {"fsdp_config": {}}),
+    # The torch backend with the fairscale backend's 16 MiB mmap threshold instead of its own 2 MiB
+    # (tango_fairscale/cpu/memory.py): what the lower threshold costs or saves.
+    "fsdp2_mmap16": Config(
+        "fairscale",
+        {"backend": "torch", "init_on_meta": True},
+        {"fsdp_config": {}},
+        env={"MALLOC_MMAP_THRESHOLD_": str(16 << 20)},
+    ),
     # Gradient accumulation over GRAD_ACCUM micro-batches per optimizer step: a reduce-scatter
     # per micro-batch, or (accumulate_grads_locally) only after the last one.
     "fsdp_accum": Config(
@@ -118,7 +128,7 @@ CONFIGS: Dict[str, Config] = {
 def experiment(
     name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int
 ) -> Dict[str, Any]:
-    engine_type, engine_options, wrapper, step_options = CONFIGS[name]
+    engine_type, engine_options, wrapper, step_options, _ = CONFIGS[name]
     grad_accum = CONFIGS[name].grad_accum
     model_config: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, **model}
     if wrapper is not None:
@@ -184,6 +194,7 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": str(threads),
+        **CONFIGS[name].env,
     }
     command = [
         TANGO,

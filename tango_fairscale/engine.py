@@ -190,7 +190,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         self.hybrid_sharding = hybrid_sharding
         if on_cpu:
-            limit_cpu_heap_growth()
+            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
         if train_config.is_distributed:
             _start_process_group(train_config, on_cpu, collective_timeout)
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,

@@ -883,3 +883,31 @@ def test_tampered_files_with_matching_digests_are_one_line(
         )
         assert expected in outcome, outcome
     assert not marker.exists()
+
+
+def _heap_or_mapping(worker: harness.Worker, backend: str, work_dir: Path) -> str:
+    """Where a 5 MiB allocation lands on a CPU worker once ``backend``'s engine is built."""
+    from tests.helpers import train_config
+
+    experiment = train_config(engine="fairscale", wrap="nested", engine_extra={"backend": backend})
+    worker.engine(experiment, work_dir / backend)
+    tensor = torch.empty(5 << 20, dtype=torch.uint8)  # held while the maps are read
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+        if start <= address < end:
+            return "heap" if line.endswith("[heap]") else "mapping"
+    raise AssertionError(f"{address:#x} is in no mapping of /proc/self/maps")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_each_backend_sets_the_cpu_mmap_threshold_its_buffers_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FSDP2 gathers one tensor per parameter (MiBs each) rather than FairScale's flat units: a
+    # 5 MiB tensor gets its own mapping under the torch backend, comes from the heap under the
+    # fairscale backend's 16 MiB threshold. Fresh workers for each.
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for backend, expected in (("fairscale", "heap"), ("torch", "mapping")):
+        (result,) = harness.run([harness.Call(_heap_or_mapping, (backend, tmp_path))], out=tmp_path / backend)
+        assert result.check().values == [expected, expected], (backend, result.describe())

@@ -23,6 +23,7 @@ from tango.integrations.torch import Model, TrainConfig
 from .. import multihost
 from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
+from ..cpu.memory import MMAP_THRESHOLD_BYTES
 from ..launch import HostWorld
 from ..topology import Topology
 
@@ -95,6 +96,10 @@ class Backend(ABC):
     #: Whether a unit's parameters become one flat tensor (with ``flatten_parameters``), which is
     #: frozen or trainable as a whole.
     flattens_units: ClassVar[bool] = False
+    #: On CPU workers, allocations of this many bytes or more get their own memory mappings
+    #: (:func:`~tango_fairscale.cpu.memory.limit_cpu_heap_growth`): the size of the buffers this
+    #: backend allocates and frees every step, below which they fragment the heap.
+    cpu_mmap_threshold: ClassVar[int] = MMAP_THRESHOLD_BYTES
 
     def __init__(self, context: BackendContext) -> None:
         self.context = context

@@ -31,6 +31,9 @@ class TorchBackend(Backend):
 
     name = "torch"
     supports_hybrid_sharding = True
+    # FSDP2 gathers into and frees one tensor per parameter, not one per unit: with the default
+    # 16 MiB threshold those (MiBs each) fragment the heap. Measured in cpu/memory.py.
+    cpu_mmap_threshold = 2 << 20
 
     @classmethod
     def check_options(cls, fsdp_config: Any, where: str) -> None:
