@@ -6,6 +6,8 @@ Importing this package registers:
 
 - :class:`FairScaleTrainingEngine` as the training engine ``"fairscale"``;
 - :func:`with_wrapped_modules` as the model constructor ``"fairscale::with_wrapped_modules"``;
+- :func:`from_pretrained` as the model constructor ``"fairscale::from_pretrained"`` (a pretrained
+  ``transformers`` model, read unit by unit under ``init_on_meta``);
 - the callbacks ``"fairscale::metrics"``, ``"fairscale::memory"``, ``"fairscale::wandb"``,
   ``"fairscale::tensorboard"`` and ``"fairscale::profile"``.
 
@@ -20,6 +22,7 @@ from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
 from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
 from .metrics import MetricsLog
+from .pretrained import from_pretrained
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
@@ -42,6 +45,7 @@ __all__ = [
     "WrapPlan",
     "__version__",
     "checkpointing",
+    "from_pretrained",
     "plan_wrapping",
     "with_wrapped_modules",
 ]

@@ -44,6 +44,27 @@ def _moving_to_meta() -> bool:
 _CONSTRUCTED = "_tango_fairscale_constructed"
 
 
+#: Attribute of a ``meta`` parameter: a function that reads its pretrained value (see
+#: :func:`mark_pretrained`), called when its unit is materialised.
+_PRETRAINED = "_tango_fairscale_pretrained"
+
+
+def building_on_meta() -> bool:
+    """Whether parameters registered now (on this thread) are moved to ``meta``."""
+    return _moving_to_meta()
+
+
+def mark_pretrained(param: nn.Parameter, read: Callable[[], torch.Tensor]) -> None:
+    """
+    Give a ``meta`` parameter its pretrained value, read by ``read()`` only when its unit is
+    materialised (:func:`materialize_module`), in place of any initialiser: a worker reads one
+    unit's tensors at a time from memory-mapped files, never the whole model.
+    """
+    if not param.is_meta:
+        raise ValueError("mark_pretrained takes meta parameters")
+    setattr(param, _PRETRAINED, read)
+
+
 def _has_initialiser(module: nn.Module) -> bool:
     return any(callable(getattr(module, name, None)) for name in _INITIALISERS)
 
@@ -120,19 +141,25 @@ def _allocate(module: nn.Module, device: torch.device, replaced: Dict[int, nn.Pa
     touched: List[nn.Module] = []
     for submodule in _modules_outside_fsdp(module):
         names = [n for n, p in submodule._parameters.items() if p is not None and p.is_meta]
+        pretrained = 0
         for name in names:
             old = submodule._parameters[name]
             assert old is not None
+            read = getattr(old, _PRETRAINED, None)
+            pretrained += read is not None
             if id(old) not in replaced:  # tied parameters stay tied
                 constructed = getattr(old, _CONSTRUCTED, None)
-                if constructed is not None:
+                if read is not None:
+                    fresh = read().to(device=device, dtype=old.dtype, copy=True)
+                elif constructed is not None:
                     fresh = constructed.to(device=device, copy=True)
                 else:
                     # NaN marks what no initialiser touched.
                     fresh = torch.full(old.shape, math.nan, dtype=old.dtype, device=device)
                 replaced[id(old)] = nn.Parameter(fresh, requires_grad=old.requires_grad)
             submodule._parameters[name] = replaced[id(old)]
-        if names:
+        # A module whose parameters are all pretrained is not initialised (that would overwrite them).
+        if names and pretrained < len(names):
             touched.append(submodule)
     return touched
 
@@ -173,11 +200,10 @@ def materialize_module(module: nn.Module, device: torch.device, root: Optional[n
     """
     replaced: Dict[int, nn.Parameter] = {}
     touched = _allocate(module, device, replaced)
-    if not touched:
-        return 0
-    uninitialised = _initialise(touched, replaced, root if root is not None else module)
-    if uninitialised:
-        raise _uncovered_error(uninitialised)
+    if touched:
+        uninitialised = _initialise(touched, replaced, root if root is not None else module)
+        if uninitialised:
+            raise _uncovered_error(uninitialised)
     return sum(p.numel() for p in replaced.values())
 
 
@@ -210,11 +236,12 @@ def _allocate_own(module: nn.Module, replaced: Dict[int, nn.Parameter]) -> bool:
         if old is None or not old.is_meta:
             continue
         constructed = getattr(old, _CONSTRUCTED, None)
-        fresh = (
-            constructed.clone()
-            if constructed is not None
-            else torch.full(old.shape, math.nan, dtype=old.dtype)
-        )
+        if getattr(old, _PRETRAINED, None) is not None:
+            fresh = torch.zeros(old.shape, dtype=old.dtype)  # set from its file, not read for a trial
+        elif constructed is not None:
+            fresh = constructed.clone()
+        else:
+            fresh = torch.full(old.shape, math.nan, dtype=old.dtype)
         replaced[id(old)] = nn.Parameter(fresh, requires_grad=old.requires_grad)
         module._parameters[name] = replaced[id(old)]
     return bool(replaced)
