@@ -4,7 +4,8 @@
 Commands:
 
 - ``consolidate CHECKPOINT_DIR OUT.pt [--optimizer] [--force]``: one full state dict from a
-  sharded checkpoint, with no process group and no GPU.
+  sharded checkpoint, with no process group and no GPU; ``--format hf --hf-config DIR`` writes
+  ``OUT`` as a directory ``transformers``' ``from_pretrained`` loads instead.
 - ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]``: the wrap
   plan of a training step and the model state each worker will hold, without training.
 - ``plot WORK_DIR_OR_METRICS_FILE [-o OUT.png] [--keys loss,...]``: a PNG of the metrics log
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 from . import checkpointing, consolidation
 from .errors import CheckpointError
+from .hf_export import export_hf, model_source_tensors
 from .metrics import METRIC_KINDS, METRICS_FILE_NAME, metric_keys, plot_metrics, read_metrics
 from .plan import make_plan, render
 
@@ -64,6 +66,38 @@ def check_output(output: Path, *, force: bool) -> None:
             )
     if output.exists() and not force:
         raise UsageError(f"output {output} already exists: pass --force to overwrite it")
+
+
+def consolidate_hf(
+    checkpoint_dir: Path, output: Path, hf_config: Optional[Path], *, force: bool = False
+) -> None:
+    """
+    Write the model of ``checkpoint_dir`` as a directory ``from_pretrained`` loads, with the
+    config (and tokenizer files) of ``hf_config``: one tensor at a time, atomically.
+    """
+    checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+    if hf_config is None or not (Path(hf_config) / "config.json").is_file():
+        raise UsageError(
+            "--format hf needs --hf-config DIR, a directory with the model's config.json "
+            "(e.g. the pretrained model it was fine-tuned from)"
+        )
+    if not checkpoint_dir.exists():
+        raise UsageError(f"checkpoint directory {checkpoint_dir} does not exist")
+    checkpoint_dir = checkpointing.resolve_checkpoint(checkpoint_dir)
+    for directory in [output.resolve(), *output.resolve().parents]:
+        if _is_checkpoint_dir(directory):
+            raise UsageError(f"refusing to write {output} inside the checkpoint directory {directory}")
+    if output.exists() and not force:
+        raise UsageError(f"output {output} already exists: pass --force to replace it")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(hf_config))
+    source = model_source_tensors(consolidation.model_source(checkpoint_dir))
+    try:
+        export_hf(source, output, config, tokenizer_from=Path(hf_config))
+    except OSError as error:
+        raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+    print(f"Wrote {output} (from_pretrained loads it)")
 
 
 def consolidate(
@@ -433,6 +467,20 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         help='also consolidate the optimizer state; the file is then {"model": ..., "optimizer": ...}',
     )
     consolidate_parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    consolidate_parser.add_argument(
+        "--format",
+        choices=["pt", "hf"],
+        default="pt",
+        help="pt: one torch.save'd state dict (default); hf: OUTPUT is a directory that transformers' "
+        "from_pretrained loads (config.json, safetensors, tokenizer files), with --hf-config",
+    )
+    consolidate_parser.add_argument(
+        "--hf-config",
+        type=Path,
+        default=None,
+        help="with --format hf: the directory of the model's config.json (e.g. the pretrained model "
+        "it was fine-tuned from); its tokenizer files are copied too",
+    )
 
     plan_parser = commands.add_parser(
         "plan",
@@ -504,7 +552,13 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "consolidate":
+        if args.command == "consolidate" and args.format == "hf":
+            if args.optimizer:
+                raise UsageError("--optimizer has no place in a --format hf directory: leave one of them out")
+            consolidate_hf(args.checkpoint_dir, args.output, args.hf_config, force=args.force)
+        elif args.command == "consolidate":
+            if args.hf_config is not None:
+                raise UsageError("--hf-config goes with --format hf")
             consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer, force=args.force)
         elif args.command == "plan":
             plan_command(

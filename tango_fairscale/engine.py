@@ -32,6 +32,7 @@ from .checkpointing import random_state
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
+from .hf_export import export_hf, hf_model_in, source_directory, weights_file
 from .launch import HostWorld
 from .options import EngineOptions, amp_dtype
 from .registry import register_training_engine
@@ -118,6 +119,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         copy of the sharded state: parameters, gradients and optimizer state take ``hosts`` times
         the memory per worker of full sharding. The result is the same up to the order of
         floating-point summation. On one host it changes nothing.
+    :param export_hf:
+        A directory to write at the end of training, after ``weights.pt``, that ``transformers``
+        loads with ``from_pretrained``: ``config.json``, the weights as safetensors (shards and
+        their index beyond 5 GB), and the tokenizer files of the directory the model was loaded
+        from, if it had them. A relative path is relative to the step's work directory. Needs a
+        ``transformers`` model in the step's model (e.g. ``"fairscale::from_pretrained"``). Written
+        one tensor at a time from ``weights.pt``, atomically (by each host's first worker).
     :param verify_checkpoints:
         Check the SHA-256 of every checkpoint file against the marker before resuming from it
         (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
@@ -142,6 +150,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         backend: str = _DEFAULTS.backend,
         accumulate_grads_locally: bool = _DEFAULTS.accumulate_grads_locally,
         hybrid_sharding: bool = _DEFAULTS.hybrid_sharding,
+        export_hf: Optional[str] = _DEFAULTS.export_hf,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.options = EngineOptions(
@@ -156,6 +165,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             backend=backend,
             accumulate_grads_locally=accumulate_grads_locally,
             hybrid_sharding=hybrid_sharding,
+            export_hf=export_hf,
         )
         self.fsdp_config = fsdp_config or FSDPConfig()
         #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
@@ -208,6 +218,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.amp = amp
         self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         self.grad_scaler: Any = self.sharding.make_grad_scaler(self.amp_dtype) if amp else None
+        if export_hf is not None and hf_model_in(self.model) is None:
+            # Said before training, not after it.
+            raise _no_hf_model_error()
         has_own_checkpoint = resume.find_own_checkpoint(train_config, self.hosts)
         if resume_from_checkpoint is not None:
             resume.link_resume_checkpoint(train_config, Path(resume_from_checkpoint), has_own_checkpoint)
@@ -322,6 +335,30 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         logger.info("Consolidating the sharded weights of %s into %s", checkpoint_dir, weights_path)
         self._release_training_state()
         self.sharding.write_weights(Path(checkpoint_dir).resolve(), Path(weights_path))
+        if self.options.export_hf is not None:
+            self._export_hf(Path(weights_path), Path(self.options.export_hf))
+
+    def _export_hf(self, weights_path: Path, directory: Path) -> None:
+        hf_model = hf_model_in(self.model)
+        if hf_model is None:
+            raise _no_hf_model_error()
+        if not directory.is_absolute():
+            directory = self.train_config.work_dir / directory
+        logger.info("Writing %s for transformers' from_pretrained", directory)
+        export_hf(
+            weights_file(weights_path),
+            directory,
+            hf_model.config,
+            model_class=type(hf_model),
+            tokenizer_from=source_directory(hf_model.config),
+        )
+
+
+def _no_hf_model_error() -> ConfigurationError:
+    return ConfigurationError(
+        "training_engine.export_hf: the step's model holds no transformers model to export (build it "
+        "with fairscale::from_pretrained or a transformers class), or remove export_hf."
+    )
 
 
 def _start_process_group(config: TrainConfig, on_cpu: bool, collective_timeout: float) -> None:

@@ -77,6 +77,9 @@ class EngineOptions:
     accumulate_grads_locally: bool = False
     #: Shard within each host, replicate across hosts (torch backend).
     hybrid_sharding: bool = False
+    #: At the end of training, also write the weights as a ``from_pretrained`` directory here
+    #: (relative: to the step's work directory).
+    export_hf: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> List[str]:

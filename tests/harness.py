@@ -29,6 +29,7 @@ dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's e
 """
 
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -157,7 +158,7 @@ def run(
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     context = mp.start_processes(
         _worker,
-        args=(world_size, list(jobs), ports, str(out)),
+        args=(world_size, list(jobs), ports, str(out), dict(os.environ)),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
@@ -417,8 +418,15 @@ def _call_spawned(worker: Worker, function: Callable[..., Any], args: Tuple[Any,
     return function(worker.rank, *args)
 
 
-def _worker(rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str) -> None:
+def _worker(
+    rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str, environment: Dict[str, str]
+) -> None:
     from tango.common import logging as tango_logging
+
+    # The server was forked with the environment of the test that started it: a worker takes the
+    # environment of the test it runs for (e.g. a logger's offline mode set by a fixture).
+    os.environ.clear()
+    os.environ.update(environment)
 
     global _rank
     _rank = rank

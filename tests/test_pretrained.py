@@ -41,7 +41,18 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     optimizer.step()
     directory = tmp_path_factory.mktemp("pretrained") / "gpt2"
     model.save_pretrained(directory)
+    tokenizer().save_pretrained(directory)
     return directory
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer of the model's vocabulary (nothing to download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(GPT2["vocab_size"])}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
 
 
 def experiment(directory: Path, backend: str, lr: float, steps: int = STEPS) -> Dict[str, Any]:
@@ -68,7 +79,7 @@ def experiment(directory: Path, backend: str, lr: float, steps: int = STEPS) -> 
             train_steps=steps,
             checkpoint_every=steps,
             callbacks=[],
-            engine_extra={"backend": backend, "init_on_meta": True},
+            engine_extra={"backend": backend, "init_on_meta": True, "export_hf": "hf"},
         )
     train = config["steps"]["train"]
     train["training_engine"]["optimizer"] = {
@@ -98,7 +109,12 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str
     for key, job, result in zip(keys, jobs, harness.run(jobs, out=root / "harness")):
         result.check()
         results[key] = torch.load(job.work_dir / "weights.pt", weights_only=True)
+    WORK_DIRS.update({key: job.work_dir for key, job in zip(keys, jobs)})
     return results
+
+
+#: The runs' work directories, by key (filled by the ``runs`` fixture).
+WORK_DIRS: Dict[str, Path] = {}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -153,3 +169,106 @@ def test_directory_without_the_models_tensors_is_refused(pretrained: Path, tmp_p
         from_pretrained(str(tmp_path / "config_only"))
     with pytest.raises(ConfigurationError, match="auto_class 'AutoModelForNothing'"):
         from_pretrained(str(pretrained), auto_class="AutoModelForNothing")
+
+
+# --- Out: the trained weights as a directory from_pretrained loads -----------------------------------
+
+
+def logits(model: Any) -> torch.Tensor:
+    tokens = torch.arange(GPT2["n_positions"]).remainder(GPT2["vocab_size"]).unsqueeze(0)
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchanged_export_is_the_pretrained_directory_bit_for_bit(
+    backend: str, pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]]
+) -> None:
+    exported = WORK_DIRS[f"{backend}-unchanged"] / "hf"
+    assert (exported / "model.safetensors").read_bytes() == (pretrained / "model.safetensors").read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (exported / name).read_bytes() == (pretrained / name).read_bytes(), name
+    assert not list(exported.parent.glob(".hf.*"))  # no temporary left
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fine_tuned_export_loads_with_from_pretrained(
+    backend: str, runs: Dict[str, Dict[str, torch.Tensor]]
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    exported = WORK_DIRS[f"{backend}-finetuned"] / "hf"
+    loaded = AutoModelForCausalLM.from_pretrained(exported)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied
+    trained = GPT2LMHeadModel(GPT2Config(**GPT2, **NO_DROPOUT))
+    trained.load_state_dict(runs[f"{backend}-finetuned"])
+    difference = (logits(loaded) - logits(trained)).abs().max().item()
+    print(f"[{backend}] max |logits(from_pretrained(export)) - logits(weights.pt)|: {difference:.3e}")
+    assert difference <= 1e-6
+    assert AutoTokenizer.from_pretrained(exported)("w3 w5")["input_ids"] == [3, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consolidate_format_hf_writes_the_engines_export(
+    backend: str, pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path, capsys: Any
+) -> None:
+    from tango_fairscale import cli
+
+    work_dir = WORK_DIRS[f"{backend}-finetuned"]
+    out = tmp_path / "consolidated"
+    assert (
+        cli.main(["consolidate", str(work_dir), str(out), "--format", "hf", "--hf-config", str(pretrained)])
+        == 0
+    )
+    # The same weights and tokenizer; the config is --hf-config's (the run's had its dropout overridden).
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (work_dir / "hf" / name).read_bytes(), name
+    assert (out / "config.json").read_text() == (pretrained / "config.json").read_text()
+    # Refused: an existing output without --force, and --format hf without a config.
+    assert (
+        cli.main(["consolidate", str(work_dir), str(out), "--format", "hf", "--hf-config", str(pretrained)])
+        == 2
+    )
+    assert "already exists: pass --force" in capsys.readouterr().err
+    assert cli.main(["consolidate", str(work_dir), str(tmp_path / "other"), "--format", "hf"]) == 2
+    assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
+
+
+def test_export_in_shards_with_an_index_loads_the_same(pretrained: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tango_fairscale.hf_export import export_hf, weights_file
+
+    original = AutoModelForCausalLM.from_pretrained(pretrained)
+    torch.save(original.state_dict(), tmp_path / "weights.pt")
+    config = AutoConfig.from_pretrained(pretrained)
+    export_hf(weights_file(tmp_path / "weights.pt"), tmp_path / "sharded", config, max_shard_bytes=40_000)
+    index = (tmp_path / "sharded" / "model.safetensors.index.json").read_text()
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and all(name in index for name in shards)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")), logits(original))
+
+
+def test_a_crash_while_exporting_leaves_the_previous_directory(pretrained: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from tango_fairscale.hf_export import export_hf, weights_file
+
+    config = AutoConfig.from_pretrained(pretrained)
+    original = load_file(str(pretrained / "model.safetensors"))
+    torch.save(original, tmp_path / "weights.pt")
+    target = export_hf(weights_file(tmp_path / "weights.pt"), tmp_path / "out", config)
+    before = (target / "model.safetensors").read_bytes()
+    shapes, read = weights_file(tmp_path / "weights.pt")
+    calls = []
+
+    def failing(name: str) -> torch.Tensor:
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return read(name)
+
+    with pytest.raises(OSError, match="No space left"):
+        export_hf((shapes, failing), target, config)
+    assert (target / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "weights.pt"]  # no half directory
