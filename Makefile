@@ -19,11 +19,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Installs torch only when the venv has none (a torch outside pyproject.toml's range is an
-# error rather than a silent swap), then the package with its dev, examples, benchmarks and
-# loggers extras, then checks that the environment is consistent.
+# error rather than a silent swap), then the package with its dev, examples, benchmarks, loggers
+# and hf extras (hf: Tango's transformers integration, which the tests run), then checks that the
+# environment is consistent.
 $(VENV)/.installed: $(BIN)/python pyproject.toml scripts/install_torch.py
 	$(BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks,loggers]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks,loggers,hf]"
 	$(BIN)/python -m pip check
 	@touch $@
 

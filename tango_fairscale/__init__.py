@@ -21,8 +21,9 @@ from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
 from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
+from .materialize import building_on_meta
 from .metrics import MetricsLog
-from .pretrained import from_pretrained
+from .pretrained import from_pretrained, load_on_meta
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
@@ -30,6 +31,10 @@ from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 # asked: this installs what every process needs, routing Tango's step and worker functions to
 # the step's logic (tango_fairscale.train_step).
 compat.install(train_step.run_step, train_step.run_worker)
+# ... and, when transformers or Tango's transformers integration is imported, makes that
+# integration import on the transformers we install (H1) and routes transformers' from_pretrained
+# under init_on_meta to the same unit-by-unit reading as fairscale::from_pretrained (H2).
+compat.install_transformers_patches(building_on_meta, load_on_meta)
 
 __all__ = [
     "CheckpointError",

@@ -1,5 +1,6 @@
 """
-The integration boundary: every change this package makes to FairScale, Tango or torch.
+The integration boundary: every change this package makes to FairScale, Tango, torch or
+Hugging Face ``transformers``.
 
 Nothing here happens at import, and nothing here is the package's logic: T1 and T2 route Tango's
 step and worker functions to :mod:`tango_fairscale.train_step`, which :func:`install` is given.
@@ -15,6 +16,10 @@ there, and refuses with an error naming both otherwise:
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
 - :func:`meta_parameter_registration` is the one torch patch (P1), active only while the
   engine builds a model with ``init_on_meta``.
+- :func:`install_transformers_patches` (called once by ``import tango_fairscale``) registers H1
+  and H2, which are applied only when the module they change is imported (``transformers`` costs
+  seconds to import: a process that does not use it never does), and check the ``transformers``
+  version then (:data:`CHECKED_WHEN_USED`), not at import.
 
 The patches, with the reason for each (``docs/architecture.md`` has the same list):
 
@@ -99,16 +104,35 @@ P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registra
     in any thread: parameters registered by a thread inside
     :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
     The rebinding is counted process-wide, so one thread leaving cannot remove it under another.
+H1. ``transformers.modeling_utils.Conv1D`` is set to ``transformers.pytorch_utils.Conv1D`` (the
+    same class, which GPT-2's layers are) just before Tango's
+    ``tango.integrations.transformers.ia3`` module runs, where ``transformers`` no longer has it:
+    that module imports it from there, so ``include_package`` of Tango's ``transformers``
+    integration, which imports every submodule, failed with ``ImportError: cannot import name
+    'Conv1D'`` on the ``transformers`` our extras install (4.57 no longer re-exports it there).
+H2. ``transformers.PreTrainedModel.from_pretrained`` (classmethod) is wrapped, when
+    ``transformers.modeling_utils`` is imported: in a thread that builds a model on ``meta`` (the
+    engine's ``init_on_meta``), it calls the loader :func:`install_transformers_patches` is given
+    (:func:`tango_fairscale.pretrained.load_on_meta`: each parameter marked with its tensor in the
+    safetensors files, read when its unit is materialised, as ``fairscale::from_pretrained``
+    does). Unrouted, transformers loaded the weights into parameters that P1 moved to ``meta``
+    as they were assigned: they were lost, and every worker trained from random weights without
+    an error (e.g. Tango's ``transformers::AutoModelForCausalLM::from_pretrained``). Everywhere
+    else it calls the original, unchanged.
 
 Registration over the bundled integration's names (``exist_ok=True``) is in :mod:`.registry`.
 """
 
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,16 +150,23 @@ CHECKED_VERSIONS: Dict[str, Tuple[str, ...]] = {
     "ai2-tango": ("1.3.",),
     "torch": ("2.13.",),
 }
+#: Libraries patched only in processes that use them (H1, H2): checked when the patch is applied
+#: or used, so that another release installed for something else does not refuse the package.
+CHECKED_WHEN_USED: Dict[str, Tuple[str, ...]] = {
+    "transformers": ("4.57.",),
+}
 SKIP_VERSION_CHECK_VARIABLE = "TANGO_FAIRSCALE_SKIP_VERSION_CHECK"
 
 __all__ = [
     "CHECKED_VERSIONS",
+    "CHECKED_WHEN_USED",
     "IncompatibleVersionError",
     "NullStream",
     "cpu_fsdp_enabled",
     "disable_cpu_fsdp",
     "enable_cpu_fsdp",
     "install",
+    "install_transformers_patches",
     "meta_parameter_registration",
 ]
 
@@ -153,9 +184,9 @@ def _installed_version(distribution: str) -> str:
 
 
 def check_version(distribution: str) -> None:
-    """Refuse a release of ``distribution`` outside :data:`CHECKED_VERSIONS`."""
+    """Refuse a release of ``distribution`` outside :data:`CHECKED_VERSIONS` or :data:`CHECKED_WHEN_USED`."""
     found = _installed_version(distribution)
-    checked = CHECKED_VERSIONS[distribution]
+    checked = CHECKED_VERSIONS.get(distribution) or CHECKED_WHEN_USED[distribution]
     if any(found == v or (v.endswith(".") and found.startswith(v)) for v in checked):
         return
     if os.environ.get(SKIP_VERSION_CHECK_VARIABLE) == "1":
@@ -163,10 +194,11 @@ def check_version(distribution: str) -> None:
             "%s %s was not checked with tango-fairscale (checked: %s)", distribution, found, checked
         )
         return
+    quoted_extra = "'.[hf]'" if distribution in CHECKED_WHEN_USED else "."
     raise IncompatibleVersionError(
         f"tango-fairscale patches {distribution} and was checked against {distribution} "
         f"{' / '.join(v + ('x' if v.endswith('.') else '') for v in checked)}, but {found} is installed. "
-        f"Install a checked version (pip install -e . resolves them), or set "
+        f"Install a checked version (pip install -e {quoted_extra} resolves them), or set "
         f"{SKIP_VERSION_CHECK_VARIABLE}=1 to run unchecked at your own risk."
     )
 
@@ -478,6 +510,154 @@ def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], N
                 nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]
 
 
+# --- H1, H2: Hugging Face transformers, in the processes that import it ---------------------------------
+
+
+class _ImportHooks(importlib.abc.MetaPathFinder):
+    """
+    Runs a function just before a named module is first executed (``before``), or just after
+    (``after``, given the module), whoever imports it. First on ``sys.meta_path``, it only looks at
+    the names it has hooks for and then leaves finding the module to the finders after it.
+    """
+
+    def __init__(self) -> None:
+        self.before: Dict[str, List[Callable[[], None]]] = {}
+        self.after: Dict[str, List[Callable[[ModuleType], None]]] = {}
+        # The names being looked up by the other finders on our behalf (the import lock of each
+        # name is held meanwhile, so one thread at a time).
+        self._finding: Set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname in self._finding or (fullname not in self.before and fullname not in self.after):
+            return None
+        for hook in self.before.get(fullname, ()):
+            hook()  # an error here is the import's error
+        after = self.after.get(fullname)
+        if not after:
+            return None
+        self._finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.discard(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            for hook in after:
+                hook(module)
+
+        # On this module's own loader object: its type, and what reads it, are unchanged.
+        loader.exec_module = exec_module
+        return spec
+
+
+_import_hooks: Optional[_ImportHooks] = None
+_import_hooks_lock = threading.Lock()
+
+
+def _when_imported(name: str, hook: Callable[[ModuleType], None]) -> None:
+    """``hook(module)`` now if ``name`` is imported, else right after it is."""
+    module = sys.modules.get(name)
+    if module is not None:
+        hook(module)
+        return
+    _hooks().after.setdefault(name, []).append(hook)
+
+
+def _before_import(name: str, hook: Callable[[], None]) -> None:
+    """``hook()`` before ``name`` is executed, each time an import of it is attempted (idempotent hooks)."""
+    if name not in sys.modules:
+        _hooks().before.setdefault(name, []).append(hook)
+
+
+def _hooks() -> _ImportHooks:
+    global _import_hooks
+    with _import_hooks_lock:
+        if _import_hooks is None:
+            _import_hooks = _ImportHooks()
+            sys.meta_path.insert(0, _import_hooks)
+        return _import_hooks
+
+
+#: The module of Tango's that imports ``Conv1D`` from where ``transformers`` 4.57 no longer has it.
+TANGO_IA3_MODULE = "tango.integrations.transformers.ia3"
+
+
+def _alias_conv1d() -> None:
+    """
+    H1, before Tango's ``ia3`` module runs: ``transformers.modeling_utils.Conv1D`` becomes the
+    class that module means, ``transformers.pytorch_utils.Conv1D`` (which GPT-2's attention and MLP
+    layers are, so its ``isinstance`` checks still find them). Where ``transformers`` still has
+    the name there, nothing changes.
+    """
+    from transformers import modeling_utils, pytorch_utils
+
+    if hasattr(modeling_utils, "Conv1D"):
+        return
+    check_version("transformers")
+    _require_attributes(pytorch_utils, ("Conv1D",), "H1")
+    conv1d = pytorch_utils.Conv1D
+    if not (isinstance(conv1d, type) and issubclass(conv1d, nn.Module)):
+        raise IncompatibleVersionError(
+            f"tango-fairscale patch H1 aliases transformers.pytorch_utils.Conv1D, which is {conv1d!r} "
+            "here, not a torch module class: the library changed. Install the versions in pyproject.toml."
+        )
+    modeling_utils.Conv1D = conv1d  # type: ignore[attr-defined]
+
+
+#: H2's two functions: whether this thread builds on meta, and the loader to call then.
+_building_on_meta: Optional[Callable[[], bool]] = None
+_load_on_meta: Optional[Callable[..., Any]] = None
+
+
+def _route_from_pretrained(modeling_utils: ModuleType) -> None:
+    """H2: ``PreTrainedModel.from_pretrained`` calls the meta loader in a thread that builds on meta."""
+    _require_attributes(modeling_utils, ("PreTrainedModel",), "H2")
+    model_class = modeling_utils.PreTrainedModel
+    descriptor = model_class.__dict__.get("from_pretrained")
+    if not isinstance(descriptor, classmethod):
+        raise IncompatibleVersionError(
+            "tango-fairscale patch H2 wraps transformers.PreTrainedModel.from_pretrained, which is not a "
+            "classmethod here: the library changed. Install the versions in pyproject.toml."
+        )
+    original: Callable[..., Any] = descriptor.__func__
+    if getattr(original, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if _building_on_meta is None or _load_on_meta is None or not _building_on_meta():
+            return original(cls, *args, **kwargs)
+        # Only the routing depends on what transformers' loading does: checked where it happens.
+        check_version("transformers")
+        return _load_on_meta(cls, *args, **kwargs)
+
+    from_pretrained._tango_fairscale = True  # type: ignore[attr-defined]
+    model_class.from_pretrained = classmethod(from_pretrained)
+
+
+def install_transformers_patches(
+    building_on_meta: Callable[[], bool], load_on_meta: Callable[..., Any]
+) -> None:
+    """
+    H1 and H2, each applied when the module it changes is first imported (at once if it already
+    is). ``load_on_meta(model_class, *args, **kwargs)`` takes over ``from_pretrained``'s call in a
+    thread where ``building_on_meta()`` is true (H2). Idempotent.
+    """
+    global _building_on_meta, _load_on_meta
+    with _install_lock:
+        first = _building_on_meta is None
+        _building_on_meta, _load_on_meta = building_on_meta, load_on_meta
+        if not first:
+            return
+    _before_import(TANGO_IA3_MODULE, _alias_conv1d)
+    _when_imported("transformers.modeling_utils", _route_from_pretrained)
+
+
 # --- T3: Tango's search for a registered name ---------------------------------------------------------
 
 
@@ -486,7 +666,7 @@ def _quiet_integration_search() -> None:
     When a config names an unregistered type, Tango imports each of its bundled integrations to
     look for it, skipping those whose dependencies are missing, but only when the integration
     itself says so: its ``transformers`` integration fails with ``No module named 'datasets'``
-    whenever ``transformers`` is installed without ``datasets`` (our examples' environment), and
+    whenever ``transformers`` is installed without ``datasets`` (the examples extra without hf), and
     that error replaced Tango's "not a registered name" answer to a typo. While Tango imports an
     integration in that search, an import error for another, absent top-level package becomes the
     ``IntegrationMissingError`` Tango already skips.

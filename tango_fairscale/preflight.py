@@ -15,6 +15,7 @@ shared with the engine.
 
 import logging
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -226,8 +227,11 @@ def check_model(
             )
     try:
         # The wrapper records its plan instead of wrapping (as for the torch backend's workers):
-        # the plan's checks run here, and nothing is wrapped in this process.
-        with torch.device("meta"), deferred_wrapping():
+        # the plan's checks run here, and nothing is wrapped in this process. Under init_on_meta,
+        # as the workers build it: a pretrained model is then built from its config and marked
+        # with its files' tensors (transformers' own from_pretrained refuses a meta device).
+        building = parameters_on_meta() if init_on_meta else nullcontext()
+        with torch.device("meta"), deferred_wrapping(), building:
             built = model.construct() if isinstance(model, Lazy) else model
     except ConfigurationError:
         raise

@@ -10,12 +10,18 @@ once, and the files' pages are shared with the page cache rather than copied. Wi
 ``init_on_meta`` (and with Tango's DDP engine), it is ``from_pretrained`` of the ``transformers``
 class, the whole model on every worker. Tied parameters (an embedding and its LM head) are one
 parameter of the model either way, so they stay tied.
+
+Any other way to ``from_pretrained`` (Tango's own ``transformers::AutoModelForCausalLM::from_pretrained``
+and the like, or a model constructor of the user's that calls it) loads the same way under
+``init_on_meta``: patch H2 of :mod:`tango_fairscale.compat` routes ``transformers``'
+``PreTrainedModel.from_pretrained`` to :func:`load_on_meta` in a thread that builds on ``meta``.
 """
 
+import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,8 +41,10 @@ class SafetensorsFiles:
     memory-mapped file (``safetensors.safe_open``): reading one does not read the others.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, source: str = "fairscale::from_pretrained") -> None:
         self.directory = directory
+        #: What loads them, for errors.
+        self.source = source
         index = directory / SAFETENSORS_INDEX
         if index.is_file():
             weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -49,7 +57,7 @@ class SafetensorsFiles:
                 self.file_of = {name: single for name in handle.keys()}
         else:
             raise ConfigurationError(
-                f"fairscale::from_pretrained: {directory} has neither {SAFETENSORS_FILE} nor "
+                f"{source}: {directory} has neither {SAFETENSORS_FILE} nor "
                 f"{SAFETENSORS_INDEX}. Save the model with save_pretrained(..., safe_serialization=True) "
                 "(transformers' default), or load it without init_on_meta."
             )
@@ -105,11 +113,52 @@ def mark_from_files(model: nn.Module, files: SafetensorsFiles) -> int:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigurationError(
-            f"fairscale::from_pretrained: {files.directory} has no tensor for {shown}. Is it a "
-            "checkpoint of this model class (auto_class)? Loading it without init_on_meta lets "
+            f"{files.source}: {files.directory} has no tensor for {shown}. Is it a checkpoint of "
+            "this model class? Loading it without init_on_meta lets "
             "transformers map or initialise what it lacks."
         )
     return marked
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, files: SafetensorsFiles) -> int:
+    """
+    Copy into ``model``'s persistent buffers the values ``files`` hold for them (e.g. batch norm
+    statistics), as ``from_pretrained`` does. Buffers stay real under ``init_on_meta`` (they are
+    small, and many are computed in ``__init__``), so they are read here, not per unit; a buffer
+    the files lack keeps its computed value, as with ``from_pretrained``. Returns how many were read
+    (buffers on ``meta`` are skipped).
+    """
+    available = set(files.names())
+    loaded = 0
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            key = f"{prefix}.{name}" if prefix else name
+            if buffer is None or name in module._non_persistent_buffers_set or key not in available:
+                continue
+            if buffer.is_meta:  # a model built under a meta device (pre-flight): nothing to hold values
+                continue
+            buffer.copy_(files.read(key))
+            loaded += 1
+    return loaded
+
+
+def _snapshot(repo_id: str, subfolder: str = "", **hub_arguments: Any) -> Path:
+    """A hub model's config and safetensors files, downloaded (or found in the cache)."""
+    from huggingface_hub import snapshot_download
+
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    root = snapshot_download(
+        repo_id, allow_patterns=[f"{prefix}*.json", f"{prefix}*.safetensors"], **hub_arguments
+    )
+    return Path(root) / subfolder if subfolder else Path(root)
+
+
+def _load_files(model: nn.Module, directory: Path, source: str) -> None:
+    """Mark ``model``'s ``meta`` parameters with their tensors in ``directory`` and read its buffers."""
+    files = SafetensorsFiles(directory, source)
+    mark_from_files(model, files)
+    load_buffers(model, files)
 
 
 @register_model_constructor("fairscale::from_pretrained")
@@ -132,15 +181,146 @@ def from_pretrained(
         return model_class.from_pretrained(pretrained_model_name_or_path, **overrides)  # type: ignore[no-any-return]
     from transformers import AutoConfig
 
-    directory = _local_directory(pretrained_model_name_or_path)
-    if directory is None:
-        from huggingface_hub import snapshot_download
-
-        directory = Path(
-            snapshot_download(pretrained_model_name_or_path, allow_patterns=["*.json", "*.safetensors"])
-        )
+    directory = _local_directory(pretrained_model_name_or_path) or _snapshot(pretrained_model_name_or_path)
     config = AutoConfig.from_pretrained(str(directory), **overrides)
     # Parameters land on meta as they are registered: nothing is allocated or initialised here.
     model = model_class.from_config(config)
-    mark_from_files(model, SafetensorsFiles(directory))
+    _load_files(model, directory, "fairscale::from_pretrained")
+    return model  # type: ignore[no-any-return]
+
+
+# --- transformers' from_pretrained, routed here under init_on_meta (patch H2) -------------------------
+
+#: ``from_pretrained`` arguments (transformers 4.57) that say where the files are and how to fetch them.
+_HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies")
+#: Arguments that change nothing this loader does: internal to transformers' own calls, or no-ops there.
+_IGNORED_ARGUMENTS = (
+    "_from_auto",
+    "_from_pipeline",
+    "_commit_hash",
+    "code_revision",
+    "trust_remote_code",
+    "weights_only",
+    "resume_download",
+    "mirror",
+    "_fast_init",
+    "low_cpu_mem_usage",
+    "offload_state_dict",
+)
+#: Arguments that change what or how transformers loads, which reading each unit's tensors as they
+#: are saved cannot do, each with the value that changes nothing.
+_UNSUPPORTED_ARGUMENTS: Dict[str, Any] = {
+    "dtype": None,
+    "torch_dtype": None,
+    "state_dict": None,
+    "from_tf": False,
+    "from_flax": False,
+    "output_loading_info": False,
+    "ignore_mismatched_sizes": False,
+    "variant": None,
+    "device_map": None,
+    "max_memory": None,
+    "offload_folder": None,
+    "offload_buffers": False,
+    "load_in_8bit": False,
+    "load_in_4bit": False,
+    "quantization_config": None,
+    "adapter_name": "default",
+    "generation_config": None,
+    "gguf_file": None,
+    "tp_plan": None,
+    "tp_size": None,
+    "distributed_config": None,
+    "device_mesh": None,
+    "use_kernels": False,
+    "key_mapping": None,
+}
+
+
+def _unsupported(kwargs: Dict[str, Any]) -> List[str]:
+    """The arguments of a ``from_pretrained`` call that :func:`load_on_meta` cannot honour."""
+    refused = [
+        f"{name}={kwargs[name]!r}"
+        for name, neutral in _UNSUPPORTED_ARGUMENTS.items()
+        if name in kwargs and kwargs[name] != neutral
+    ]
+    if kwargs.get("use_safetensors") is False:
+        refused.append("use_safetensors=False")
+    adapter = kwargs.get("adapter_kwargs") or {}
+    if "_adapter_model_path" in adapter:
+        refused.append(f"a PEFT adapter ({adapter['_adapter_model_path']})")
+    return refused
+
+
+def _split_arguments(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], str, Dict[str, Any]]:
+    """``from_pretrained``'s keyword arguments: (the hub's, the subfolder, the config's and the model's)."""
+    rest = dict(kwargs)
+    for name in (*_IGNORED_ARGUMENTS, *_UNSUPPORTED_ARGUMENTS, "use_safetensors", "adapter_kwargs"):
+        rest.pop(name, None)
+    hub = {name: rest.pop(name) for name in _HUB_ARGUMENTS if name in rest}
+    legacy_token = rest.pop("use_auth_token", None)
+    if legacy_token is not None and hub.get("token") is None:
+        hub["token"] = legacy_token
+    subfolder = rest.pop("subfolder", "") or ""
+    return hub, subfolder, rest
+
+
+def load_on_meta(
+    model_class: Any, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any
+) -> nn.Module:
+    """
+    ``model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)`` (a
+    ``transformers`` model class) in a thread that builds on ``meta``: H2 calls this instead of
+    transformers' loading, whose values the engine's ``init_on_meta`` would lose. Built from the
+    config as ``from_pretrained`` builds it (config arguments and ``config`` as it takes them, the
+    remaining keyword arguments to the model's ``__init__``, tied weights tied, evaluation mode),
+    its parameters on ``meta``, each marked with its tensor in the safetensors files and read when
+    its unit is materialised, exactly as ``fairscale::from_pretrained`` reads them; persistent
+    buffers and ``generation_config.json`` read now. Arguments that change how or what is loaded
+    (``dtype``, ``device_map``, quantization, adapters, ...) and files that are not safetensors
+    are refused, naming them: loading something else than the saved tensors is never silent.
+    """
+    from transformers import PretrainedConfig
+
+    source = (
+        f"{model_class.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}) under init_on_meta"
+    )
+    refused = _unsupported(kwargs)
+    if refused:
+        raise ConfigurationError(
+            f"{source}: {', '.join(refused)} cannot be applied when each FSDP unit reads its tensors "
+            "from the saved safetensors files as it is sharded. Remove "
+            f"{'it' if len(refused) == 1 else 'them'} from the model's config, or set "
+            "training_engine.init_on_meta: false (every worker then loads the whole model with "
+            "transformers' own from_pretrained)."
+        )
+    hub, subfolder, rest = _split_arguments(kwargs)
+    config = rest.pop("config", None)
+    attn_implementation = rest.pop("attn_implementation", None)
+    name = str(pretrained_model_name_or_path)
+    directory = _local_directory(name)
+    if directory is not None:
+        directory = directory / subfolder if subfolder else directory
+    else:
+        directory = _snapshot(name, subfolder, **hub)
+    if isinstance(config, PretrainedConfig):
+        config, model_kwargs = copy.deepcopy(config), rest
+    else:
+        # As transformers: arguments that name fields of the config set them, the rest go to the model.
+        config_source, config_hub = (str(config), hub) if config is not None else (str(directory), {})
+        config, model_kwargs = model_class.config_class.from_pretrained(
+            config_source, return_unused_kwargs=True, **config_hub, **rest
+        )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    config.name_or_path = name
+    # Parameters land on meta as they are registered: nothing is allocated or initialised here.
+    model = model_class(config, *model_args, **model_kwargs)
+    model.tie_weights()
+    _load_files(model, directory, source)
+    if model.can_generate() and (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    model.eval()  # as from_pretrained returns it; Tango's loop calls train()
     return model  # type: ignore[no-any-return]

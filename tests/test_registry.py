@@ -43,10 +43,12 @@ def test_misspelt_type_elsewhere_gets_tangos_not_registered_error() -> None:
 
 
 def test_misspelt_type_with_transformers_but_no_datasets() -> None:
-    # The environment `make` builds has transformers (examples extra) and no `datasets`, which
-    # Tango's transformers integration needs: the typo must still get Tango's own answer.
+    # transformers installed (the examples extra) without `datasets` (the hf extra), which Tango's
+    # transformers integration needs: the typo must still get Tango's own answer. `make` installs
+    # both, so datasets is hidden here.
     assert_typo_gets_tango_answer(
-        'import importlib.util\nassert importlib.util.find_spec("transformers") is not None\n'
+        'import importlib.util, sys\nassert importlib.util.find_spec("transformers") is not None\n'
+        'sys.modules["datasets"] = None\n'
     )
 
 
