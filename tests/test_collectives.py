@@ -1,11 +1,13 @@
 """The ring all-gather and reduce-scatter of the CPU support give what gloo's own give."""
 
-from typing import List
+import copy
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tango_fairscale.backends.torch_fsdp2.collectives import RingReduceScatter
 from tango_fairscale.cpu.collectives import GlooCollectives
 from tango_fairscale.teardown import close_process_groups
 from tests import harness
@@ -113,6 +115,65 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
         assert isinstance(param_group._all_gather_comm, RingAllGather)
         assert isinstance(param_group._reduce_scatter_comm, RingReduceScatter)
     close_process_groups()
+
+
+class _Recording(RingReduceScatter):
+    """The ring reduce-scatter, recording what is left of each input's memory once it returns."""
+
+    def __init__(self, left: List[int]) -> None:
+        self.left = left
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = super().__call__(output_tensor, input_tensor, *args, **kwargs)
+        self.left.append(input_tensor.untyped_storage().nbytes())
+        return result
+
+
+def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tango_fairscale import FSDPConfig, WrapPlan
+    from tango_fairscale.backends.torch_fsdp2.collectives import GatherBuffer, RingAllGather
+    from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), *blocks, torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, WrapPlan.build(model, ["1", "2", "3", "4"]), FSDPConfig(), FSDPConfig(), mesh)
+    units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
+    buffer, left = GatherBuffer(), []
+    for unit in units:
+        unit.set_custom_all_gather(RingAllGather(buffer))
+        unit.set_custom_reduce_scatter(_Recording(left))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        inputs = torch.randn(4 * world_size, 3, generator=generator)
+        model(inputs.chunk(world_size)[rank]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        # The same step on one worker: the mean over all workers' samples of the mean per worker.
+        reference(inputs).square().view(world_size, -1).mean(dim=1).mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        # Per step: the root's all-gather, then the blocks' (one size, one buffer): two buffers,
+        # where a fresh one per all-gather would be 1 + 4 in forward and 4 in backward.
+        assert buffer.allocations == 2 * (step + 1), buffer.allocations
+    # Every reduce-scatter input (the root's and the blocks') was freed when its ring returned.
+    assert len(left) == 3 * len(units) and set(left) == {0}, left
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p, rtol=0, atol=1e-6)
+    close_process_groups()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_units_share_one_gather_buffer_and_free_reduce_scatter_inputs(world_size: int) -> None:
+    harness.spawn(_check_fsdp2_buffers, args=(world_size, free_port()), nprocs=world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
