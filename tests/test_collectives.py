@@ -123,7 +123,9 @@ class _Recording(RingReduceScatter):
     def __init__(self, left: List[int]) -> None:
         self.left = left
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         result = super().__call__(output_tensor, input_tensor, *args, **kwargs)
         self.left.append(input_tensor.untyped_storage().nbytes())
         return result
