@@ -631,8 +631,11 @@ def test_one_worker_per_host_trains_as_one_host_with_two(
             f"one host x 2 workers| = {difference:.3e}"
         )
         assert difference <= TOLERANCE
-        # The step's result was built and cached: the whole run, not only the workers, succeeded.
-        assert 'Finished step "train"' in hosts.output(node), hosts.output(node)[-3000:]
+        # The step's result was built, with weights.pt loaded into it, and cached: the whole run,
+        # not only the workers, succeeded.
+        output = hosts.output(node)
+        assert "Loading best weights from" in output and "No final weights were loaded" not in output
+        assert 'Finished step "train"' in output, output[-3000:]
     # Host 1's only worker is global rank 1, and each host holds its own worker's part.
     assert "[rank 1]" in hosts.output(1)
     for node in range(2):
