@@ -22,11 +22,15 @@ _PREFIX = "training_engine."
 
 
 def check_distributed(distributed: bool, device_count: int) -> None:
-    """The engine needs a process group: Tango starts one for ``device_count`` of 2 or more."""
+    """
+    The engine needs a process group: Tango starts one for ``device_count`` of 2 or more, this
+    package for any ``device_count`` across hosts (the rule is on the world size).
+    """
     if not distributed:
         raise ConfigurationError(
             'The "fairscale" training engine shards the model across workers, so it needs distributed '
             f"training: set 'device_count' to 2 or more in the torch::train step (it is {device_count}), "
+            "launch it across hosts (torchrun or srun; any device_count per host, 1 included), "
             'or use the "torch" engine for a single device.'
         )
 

@@ -106,6 +106,35 @@ class FinalModelOnMeta(Lazy):
         return model
 
 
+class _StayOnce:
+    """
+    The model's ``cpu`` for Tango's one call on its one-process route, which moves the model to the
+    CPU before loading ``weights.pt``: a model on ``meta`` stays there (the load assigns CPU
+    tensors). Removes itself, as :class:`_AssignOnce` does.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self) -> nn.Module:
+        del self.model.cpu  # the instance attribute: the class's method is back
+        return self.model
+
+
+def spawned_workers_result(model: Any) -> Any:
+    """
+    What Tango's one-process route of ``torch::train`` (one device) gets back from its worker
+    function where that function spawned the worker (one worker per host across hosts): the
+    final model, built as Tango's distributed route builds it (``model.construct()``; on ``meta``
+    for a :class:`FinalModelOnMeta`), which that route then moves to the CPU and loads
+    ``weights.pt`` into.
+    """
+    final = model.construct() if isinstance(model, Lazy) else model
+    if isinstance(final, nn.Module) and has_meta_parameters(final):
+        final.cpu = _StayOnce(final)  # type: ignore[method-assign]
+    return final
+
+
 def _unwrapped(lazy: Lazy) -> Lazy:
     """What a :class:`FinalModelOnMeta` unpickles as: the ``Lazy`` it wrapped."""
     return lazy
@@ -120,6 +149,8 @@ def finish_result(model: Any) -> Any:
     if isinstance(model, nn.Module):
         if isinstance(model.__dict__.get("load_state_dict"), _AssignOnce):
             del model.load_state_dict
+        if isinstance(model.__dict__.get("cpu"), _StayOnce):
+            del model.cpu
         if has_meta_parameters(model):
             logger.warning(
                 "No final weights were loaded into the step's result: it is initialised, not trained."

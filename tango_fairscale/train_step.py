@@ -5,24 +5,30 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 
 - :func:`run_step`, in Tango's main process: the package re-imported in the workers, the engine's
   callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
-  host (the rendezvous store served from here) or a launch across hosts.
+  host (the rendezvous store served from here) or a launch across hosts (any number of workers
+  per host, 1 included); a worker's ``CheckpointError`` told as its one line.
 - :func:`run_worker`, in each spawned worker: dies with its main process; across hosts, its
-  global rank and ``TrainConfig``; its process groups closed once it finished.
+  global rank and ``TrainConfig``; its process groups closed once it finished. In the main
+  process of a host with one worker (Tango runs a step of one device in-process), it spawns that
+  worker with the config of distributed training.
 """
 
+import dataclasses
 import logging
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
 from tango.common import Lazy
 from tango.common.exceptions import ConfigurationError
+from torch.multiprocessing import ProcessRaisedException
 
 from . import compat
 from . import launch as launching
 from .callbacks import RestoreRandomState
+from .errors import worker_checkpoint_error
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
-from .step_result import FinalModelOnMeta, finish_result
+from .step_result import FinalModelOnMeta, finish_result, spawned_workers_result
 from .teardown import close_process_groups
 
 logger = logging.getLogger(__name__)
@@ -71,8 +77,10 @@ def run_step(
         kwargs["callbacks"] = with_engine_callbacks(kwargs.get("callbacks"))
     args: Tuple[Any, ...] = (model, training_engine, dataset_dict, train_dataloader)
     devices = kwargs.get("devices")
-    distributed = bool(devices and len(devices) > 1)
-    launch = launching.detect_launch(os.environ) if distributed else None
+    # Across hosts the engine takes any number of workers per host, 1 included: the rule is on
+    # the world size (every host's workers), which pre-flight checks with the hosts counted in.
+    launch = launching.detect_launch(os.environ) if devices and (len(devices) > 1 or on_fairscale) else None
+    distributed = bool(devices and len(devices) > 1) or launch is not None
     if launch is not None and not on_fairscale:
         raise ConfigurationError(
             f"tango runs under {launch.launcher} as host {launch.node_rank} of {launch.num_nodes}, "
@@ -100,19 +108,28 @@ def run_step(
     if on_fairscale and isinstance(model, Lazy):
         # (f) The final model in this process: on meta, the weights assigned, not copied.
         args = (FinalModelOnMeta(model), *args[1:])
-    if launch is not None:
-        return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
-    # (c) Served from this process for the life of the step (see tango_fairscale.launch).
-    configured = getattr(step, "_config", None) or {}
-    with (
-        launching.rendezvous_store(
-            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-            set_in_config="distributed_port" in configured,
-        ) as port,
-        launching.stop_workers_on_signals(),
-    ):
-        kwargs["distributed_port"] = port
-        return finish_result(original(step, *args, **kwargs))
+    try:
+        if launch is not None:
+            return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
+        # (c) Served from this process for the life of the step (see tango_fairscale.launch).
+        configured = getattr(step, "_config", None) or {}
+        with (
+            launching.rendezvous_store(
+                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+                set_in_config="distributed_port" in configured,
+            ) as port,
+            launching.stop_workers_on_signals(),
+        ):
+            kwargs["distributed_port"] = port
+            return finish_result(original(step, *args, **kwargs))
+    except ProcessRaisedException as error:
+        # (g) A worker's CheckpointError (a refused checkpoint, a full disk) is one line, not
+        # mp.spawn's traceback quoting the worker's.
+        one_line = worker_checkpoint_error(error)
+        if one_line is None:
+            raise
+        logger.debug("The worker's error, as mp.spawn reported it:%s", error)
+        raise one_line from error
 
 
 def _train_across_hosts(
@@ -164,6 +181,11 @@ def run_worker(
     groups before it exits.
     """
     world = launching.HostWorld.from_environment(os.environ)
+    if world is not None and not getattr(config, "is_distributed", False):
+        # Tango's main process, training a step of one device here as one host of several: Tango
+        # runs such a step in its own process, without a process group. Spawn it as Tango spawns
+        # several workers, with the config of distributed training.
+        return _spawn_one_worker(workspace, config, *args, **kwargs)
     if getattr(config, "is_distributed", False):
         launching.die_with_parent()
     if world is None or not getattr(config, "is_distributed", False):
@@ -178,3 +200,42 @@ def run_worker(
     # inside a collective with it, and its error must reach the main process without waiting.
     close_process_groups()
     return result
+
+
+def _spawn_one_worker(
+    workspace: Any,
+    config: Any,
+    model: Any,
+    training_engine: Any,
+    dataset_dict: Any,
+    train_dataloader: Any,
+    validation_dataloader: Any = None,
+    callbacks: Any = None,
+) -> Any:
+    """
+    (h) This host's one worker, in a launch across hosts with ``device_count`` 1: spawned as
+    Tango's ``TorchTrainStep._train`` spawns its workers (the same worker function and
+    arguments), with ``is_distributed`` set, so that :func:`run_worker` gives it its global rank.
+    Returns what Tango's one-process route expects back: the final model
+    (:func:`~tango_fairscale.step_result.spawned_workers_result`).
+    """
+    import torch.multiprocessing as mp
+    from tango.common.util import get_extra_imported_modules
+    from tango.integrations.torch import train as tango_train
+
+    mp.spawn(
+        tango_train._train,
+        args=(
+            workspace,
+            dataclasses.replace(config, is_distributed=True),
+            model,
+            training_engine,
+            dataset_dict,
+            train_dataloader,
+            validation_dataloader,
+            callbacks,
+            get_extra_imported_modules(),
+        ),
+        nprocs=1,
+    )
+    return spawned_workers_result(model)

@@ -5,13 +5,14 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 from tango import Step
 from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TrainCallback, TrainingEngine
 
+from examples.toy.components import ToyRegressor
 from tango_fairscale import FairScaleTrainingEngine
 
 
@@ -334,6 +335,45 @@ class FailOnce(TrainCallback):
             raise RuntimeError(f"deliberate failure before step {step}")
 
 
+@TrainCallback.register("test::fill_disk_once")
+class FillDiskOnce(TrainCallback):
+    """
+    Fills the filesystem of the work directory, once, leaving ``leave_bytes`` free: with a file
+    ``ballast`` in the work directory, written by worker 0 after training step ``step`` (0-based:
+    before that step's checkpoint is saved) or, with ``step`` null, after the training loop
+    (before ``weights.pt`` is written). A marker file in the work directory remembers it, so that
+    re-running the same config (after removing the ballast: more space) resumes and finishes.
+    """
+
+    def __init__(self, *args: Any, step: Any = None, leave_bytes: int = 512 << 10, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step, self.leave_bytes = step, leave_bytes
+        # Decided before training, so that worker 0 writing the marker cannot change worker 1's mind.
+        self.marker = self.train_config.work_dir / "filled_disk_once"
+        self.fill = not self.marker.exists()
+
+    def _fill(self) -> None:
+        if not self.fill:
+            return
+        if self.is_local_main_process:
+            self.marker.touch()
+            work_dir = self.train_config.work_dir
+            free = os.statvfs(work_dir).f_bavail * os.statvfs(work_dir).f_frsize
+            with open(work_dir / "ballast", "wb") as handle:
+                os.posix_fallocate(handle.fileno(), 0, free - self.leave_bytes)
+        # No worker saves before the disk is full.
+        if self.train_config.is_distributed:
+            torch.distributed.barrier()
+
+    def post_batch(self, step: int, epoch: int, batch_loss: float, batch_outputs: Any) -> None:
+        if step == self.step:
+            self._fill()
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        if self.step is None:
+            self._fill()
+
+
 @TrainCallback.register("test::kill_once")
 class KillOnce(TrainCallback):
     """
@@ -413,6 +453,18 @@ class MyModel(Model):
         for layer in self.transformer.h:  # type: ignore[union-attr]
             hidden = layer(hidden)
         return {"loss": torch.nn.functional.mse_loss(self.head(hidden).squeeze(-1), y)}
+
+
+@Model.register("test::partly_frozen_regressor")
+class PartlyFrozenRegressor(ToyRegressor):
+    """The toy regressor with the submodules named in ``frozen`` frozen (``requires_grad=False``)."""
+
+    def __init__(
+        self, in_features: int = 8, width: int = 32, num_blocks: int = 4, frozen: Sequence[str] = ()
+    ) -> None:
+        super().__init__(in_features=in_features, width=width, num_blocks=num_blocks)
+        for name in frozen:
+            self.get_submodule(name).requires_grad_(False)
 
 
 @Model.register("test::tied_lm")

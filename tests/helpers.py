@@ -170,6 +170,27 @@ def run_tango(
     return result
 
 
+def error_lines(output: str) -> List[str]:
+    """The messages of the ERROR lines of a ``tango run``'s output, without their source location."""
+    return [
+        re.sub(r"\s+[\w/.]+\.py:\d+$", "", line.split(" ERROR ", 1)[1]).strip()
+        for line in output.splitlines()
+        if " ERROR " in line
+    ]
+
+
+def one_line_error(output: str) -> str:
+    """
+    The error of a failed ``tango run`` (its output), after asserting that it is told as one line:
+    no traceback anywhere, and after that line only Tango's summary of the step and the run.
+    """
+    assert "Traceback" not in output, output[-6000:]
+    errors = error_lines(output)
+    assert len(errors) == 3 and errors[1].startswith("✗ Step ") and errors[1].endswith(" failed"), errors
+    assert errors[2].startswith("✗ Run ") and errors[2].endswith(" finished with errors"), errors
+    return errors[0]
+
+
 def train_work_dir(workspace: Path) -> Path:
     """The work directory of the (single) ``torch::train`` step in ``workspace``."""
     dirs = sorted(workspace.glob("cache/TorchTrainStep-*/work"))

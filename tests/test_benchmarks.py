@@ -218,3 +218,24 @@ def test_peak_tflops_table() -> None:
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "float32") == 19.5
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "float32", tf32=True) == 156.0
     assert peak_tflops_for("Some Future Accelerator") is None
+
+
+def test_published_backends_table_reports_mfu_with_its_peak() -> None:
+    """docs/benchmarks-backends.md: MFU of DDP and both backends at 2 workers, the peak and its command."""
+    data = json.loads((REPO / "docs" / "benchmarks-backends.json").read_text())
+    page = (REPO / "docs" / "benchmarks-backends.md").read_text()
+    peak = data["peak"]
+    assert (
+        peak["command"].startswith("python -m tango_fairscale peak --threads ")
+        and peak["flops_per_second"] > 0
+    )
+    assert f"`{peak['command']}`" in page and f"{peak['flops_per_second'] / 1e9:.1f} GFLOP/s" in page
+    assert f"`{peak['output']}`" in page
+    records = {(r["config"], r["world_size"]): r for r in data["records"]}
+    for name in ("ddp", "fsdp", "fsdp2"):
+        record = records[(name, 2)]
+        mfu = record["model_flops_per_step"] / record["step_time_s"] / peak["flops_per_second"]
+        assert record["mfu"] == pytest.approx(mfu, rel=1e-9) and 0 < mfu <= 1
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{name}` | 2 |"))
+        assert f"| {100 * mfu:.2f} % |" in row, row
+        print(f"{name}, 2 workers: step {record['step_time_s']:.3f} s, MFU {100 * mfu:.2f} %")

@@ -77,3 +77,25 @@ def test_watching_a_run_lists_each_callback_and_its_options() -> None:
         named = set(re.findall(r"`(\w+)`", bullet.split("Options:", 1)[1]))
         taken = set(inspect.signature(TrainCallback.by_name(name).__init__).parameters)
         assert taken - {"self", "args", "kwargs"} <= named, name
+
+
+def test_failure_modes_count_and_tests() -> None:
+    """docs/failure-modes.md states how many cases it lists, and every test it names exists."""
+    text = (REPO / "docs" / "failure-modes.md").read_text()
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| what happens") and not line.startswith("|---")
+    ]
+    stated = re.search(r"tables list (\d+) cases, one per row", text)
+    assert stated is not None and int(stated.group(1)) == len(rows), (stated, len(rows))
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        assert len(cells) == 3, row
+        named = re.findall(r"`(test_\w+\.py)(?:::(\w+))?`", cells[2])
+        assert named, f"names no test: {row[:100]}"
+        for module, function in named:
+            path = REPO / "tests" / module
+            assert path.is_file(), module
+            if function:
+                assert re.search(rf"^def {function}\(", path.read_text(), flags=re.M), f"{module}::{function}"

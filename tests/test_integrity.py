@@ -95,6 +95,17 @@ def test_checkpoint_of_another_model_size_is_refused(saved_run: Path, tmp_path: 
         assert "saved [32, 32], this model [16, 16]" in error, error  # type: ignore[operator]
 
 
+def test_checkpoint_of_another_optimizer_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    # AdamW's state resumed into SGD failed deep in PyTorch with a KeyError.
+    result = resume_from(
+        saved_run / "checkpoint_state_step8", tmp_path, optimizer={"type": "torch::SGD", "lr": 0.01}
+    )
+    for error in result.errors:
+        assert "holds the state of another optimizer: 1 parameter group(s) with options" in error, error  # type: ignore[operator]
+        assert "where this run's SGD has 1 with" in error and "\n" not in error, error  # type: ignore[operator]
+    print(result.errors[0])
+
+
 def forge_digest(checkpoint_dir: Path, name: str) -> None:
     """Rewrite the marker's digest of ``name`` to match the file, as a careless copy tool could not."""
     marker = checkpointing.read_marker(checkpoint_dir)

@@ -487,3 +487,27 @@ def test_a_worker_failure_is_summed_up_by_its_exception_line() -> None:
     assert _first_line(ProcessRaisedException(quoted, 1, 1234)) == "ValueError: nan loss encountered"
     assert _first_line(KeyboardInterrupt()) == "KeyboardInterrupt: "
     assert _first_line(RuntimeError("store gone\nmore")) == "RuntimeError: store gone"
+
+
+def test_a_workers_checkpoint_error_is_told_as_its_one_line() -> None:
+    from tango.common.exceptions import CliRunError
+    from torch.multiprocessing import ProcessRaisedException
+
+    from tango_fairscale.errors import CheckpointError, worker_checkpoint_error
+
+    def quoted(last: str) -> str:
+        return (
+            "\n\n-- Process 0 terminated with the following error:\nTraceback (most recent call last):\n"
+            '  File "x.py", line 1, in f\n    raise CheckpointError(...)\n' + last + "\n"
+        )
+
+    line = "Cannot write /disk/weights.pt: No space left on device (ENOSPC)."
+    error = worker_checkpoint_error(
+        ProcessRaisedException(quoted(f"tango_fairscale.errors.CheckpointError: {line}"), 0, 1234)
+    )
+    # Tango prints a CliRunError as its message alone; callers catching CheckpointError still do.
+    assert isinstance(error, CliRunError) and isinstance(error, CheckpointError)
+    assert str(error) == f"CheckpointError: {line}"
+    # Any other worker error keeps its traceback.
+    assert worker_checkpoint_error(ProcessRaisedException(quoted("ValueError: nan loss"), 0, 1234)) is None
+    assert worker_checkpoint_error(RuntimeError(f"tango_fairscale.errors.CheckpointError: {line}")) is None

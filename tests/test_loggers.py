@@ -166,6 +166,18 @@ def check_logs(work_dir: Path) -> None:
         assert line["mfu"] == pytest.approx(line["model_flops_per_second"] / run["peak_flops_per_second"])
         assert line["collective_time_s"] > 0
     loss = {line["step"]: line["loss"] for line in training}
+    worst = max(
+        abs(line["tokens_per_second"] * line["step_time_s"] / tokens_per_step - 1) for line in training
+    )
+    mfus = [line["mfu"] for line in training]
+    logged = sorted({line["model_flops_per_step"] for line in training})
+    print(
+        f"metrics.jsonl: steps {[line['step'] for line in training]}, run lines at steps "
+        f"{[run['step'] for run in runs]}; FlopCounterMode here {flops} x 2 workers = {2 * flops}, logged "
+        f"{logged}; MFU {min(mfus):.3e}..{max(mfus):.3e}; "
+        f"tokens/s x step time = {tokens_per_step} tokens per step (max relative error {worst:.1e}); "
+        f"peak {runs[0]['peak_flops_per_second'] / 1e9:.1f} GFLOP/s ({runs[0]['peak']})"
+    )
 
     # --- W&B, offline: one run id for both attempts, every step once -------------------------------
     directories = sorted(glob.glob(str(work_dir / "wandb" / "offline-run-*")))
@@ -177,6 +189,10 @@ def check_logs(work_dir: Path) -> None:
     assert histories[0][0] in (run_id, "")  # a killed attempt may not have written its run record
     rows = [row for _, history in histories for row in history]
     assert sorted(step for step, _ in rows) == list(range(1, TRAIN_STEPS + 1))
+    print(
+        f"W&B offline: {len(directories)} directories, run id {run_id}, history steps "
+        f"{sorted(step for step, _ in rows)} (each once)"
+    )
     for step, values in rows:
         assert values["train/loss"] == pytest.approx(loss[step], rel=1e-6)
         assert values["train/tokens_per_step"] == tokens_per_step
@@ -199,6 +215,13 @@ def check_logs(work_dir: Path) -> None:
     for event in events.Scalars("train/lr"):
         assert event.value == pytest.approx(0.01 * 0.5 ** ((event.step - 1) // 4))  # StepLR(4, 0.5)
     assert all(0 < event.value <= 1 for event in events.Scalars("train/mfu"))
+    print(
+        "TensorBoard: "
+        + "; ".join(
+            f"{tag} steps {[e.step for e in events.Scalars(tag)]}"
+            for tag in ("train/loss", "train/lr", "train/tokens_per_second", "train/mfu")
+        )
+    )
 
     # --- the profile: one trace per worker, steps 2-3 (the first attempt's), collectives in it ------
     for rank in (0, 1):
@@ -208,6 +231,11 @@ def check_logs(work_dir: Path) -> None:
         assert names.count("tango_fairscale::all_gather") > 0
         assert names.count("tango_fairscale::reduce_scatter") > 0
         assert any("send" in name for name in names) and any("recv" in name for name in names)
+        print(
+            f"profile/worker{rank}.json: {len(names)} events, "
+            f"{names.count('tango_fairscale::all_gather')} all-gathers, "
+            f"{names.count('tango_fairscale::reduce_scatter')} reduce-scatters"
+        )
 
     # --- the memory callback's summary: each worker's tokens/s and MFU -------------------------------
     summary = json.loads((work_dir / "memory_summary.json").read_text())

@@ -558,12 +558,13 @@ def test_hosts_that_disagree_are_told_so(network: Network, tmp_path: Path, diffe
     other = config(device_count=3) if difference == "device_count" else config()
     if difference == "lr":
         other["steps"]["train"]["training_engine"]["optimizer"]["lr"] = 0.02
+    rendezvous_timeout = 120
     hosts = Hosts(
         network,
         tmp_path,
         "c10d",
         config(),
-        env={"TANGO_FAIRSCALE_RENDEZVOUS_TIMEOUT": "120"},
+        env={"TANGO_FAIRSCALE_RENDEZVOUS_TIMEOUT": str(rendezvous_timeout)},
         per_host={1: other},
     )
     started = time.monotonic()
@@ -572,14 +573,75 @@ def test_hosts_that_disagree_are_told_so(network: Network, tmp_path: Path, diffe
     elapsed = time.monotonic() - started
     print(f"[{network.name}] hosts that disagree on {difference}: exit codes {codes} in {elapsed:.1f} s")
     assert all(code != 0 for code in codes), hosts.logs()
-    expected = (
-        r"device_count: host \d \(.*\) has [23] workers, host \d has [23]"
-        if difference == "device_count"
-        else r"Host \d \(.*\) runs step TorchTrainStep-\w+ where host \d runs TorchTrainStep-\w+: "
-        "the step's config differs"
-    )
+    # Both told so within the rendezvous timeout (they waited it out, silently, before).
+    assert elapsed < rendezvous_timeout, hosts.logs()
+    workers = {0: 2, 1: 3}
     for node in range(2):
-        assert re.search(expected, hosts.output(node)), hosts.logs()
+        # Each host names the other one and the difference.
+        peer = 1 - node
+        expected = (
+            rf"device_count: host {peer} \(.*\) has {workers[peer]} workers, host {node} has {workers[node]}"
+            if difference == "device_count"
+            else rf"Host {peer} \(.*\) runs step TorchTrainStep-\w+ where host {node} runs "
+            r"TorchTrainStep-\w+: the step's config differs"
+        )
+        found = re.search(expected + r".*", hosts.output(node))
+        assert found, hosts.logs()
+        print(f"[{network.name}] host {node}: {found.group(0)}")
+
+
+@pytest.fixture(scope="module")
+def two_workers_on_one_host(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``weights.pt`` of the experiment on one host with 2 workers, each backend (tests.harness)."""
+    root = tmp_path_factory.mktemp("one_host_two_workers")
+    jobs = {
+        backend: harness.Train(
+            config(device_count=2, callbacks=[RECORD_LOSSES], engine_extra={"backend": backend}),
+            root / backend,
+        )
+        for backend in ("fairscale", "torch")
+    }
+    for result in harness.run(list(jobs.values()), out=root / "harness"):
+        result.check()
+    return {
+        backend: torch.load(job.work_dir / "weights.pt", weights_only=True) for backend, job in jobs.items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_one_worker_per_host_trains_as_one_host_with_two(
+    network: Network,
+    two_workers_on_one_host: Dict[str, Dict[str, torch.Tensor]],
+    tmp_path: Path,
+    backend: str,
+) -> None:
+    # device_count 1 on each of two hosts, the shape of 1-GPU cloud instances: pre-flight refused it
+    # ("set 'device_count' to 2 or more"), and Tango starts no process group for one device.
+    experiment = config(device_count=1, callbacks=[RECORD_LOSSES], engine_extra={"backend": backend})
+    hosts = Hosts(network, tmp_path, "slurm" if network.name == "loopback" else "static", experiment)
+    started = time.monotonic()
+    hosts.run()
+    print(f"[{network.name}, {backend}] two hosts x 1 worker: {time.monotonic() - started:.1f} s")
+    for node in range(2):
+        difference = max_abs_difference(_weights(hosts, node), two_workers_on_one_host[backend])
+        print(
+            f"[{network.name}, {backend}] max |host {node} weights.pt (2 hosts x 1 worker) - "
+            f"one host x 2 workers| = {difference:.3e}"
+        )
+        assert difference <= TOLERANCE
+        # The step's result was built, with weights.pt loaded into it, and cached: the whole run,
+        # not only the workers, succeeded.
+        output = hosts.output(node)
+        assert "Loading best weights from" in output and "No final weights were loaded" not in output
+        assert 'Finished step "train"' in output, output[-3000:]
+    # Host 1's only worker is global rank 1, and each host holds its own worker's part.
+    assert "[rank 1]" in hosts.output(1)
+    for node in range(2):
+        final = train_work_dir(hosts.workspace(node)) / f"checkpoint_state_step{TRAIN_STEPS}"
+        marker = checkpointing.read_marker(final)
+        assert marker is not None and marker["world_size"] == 2 and marker["host"]["workers"] == [node]
 
 
 def _consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
@@ -733,6 +795,10 @@ def test_wandb_across_hosts_logs_every_worker_from_global_rank_zero(
         if line["kind"] == "train"
     }
     assert [step for step, _ in rows] == list(range(1, TRAIN_STEPS + 1))
+    workers = sorted({key.split("/")[0] for _, values in rows for key in values if key.startswith("worker")})
+    print(
+        f"[{network.name}] W&B offline on host 0 only: run {run_id}, steps {[s for s, _ in rows]}, {workers}"
+    )
     for step, values in rows:
         assert values["train/loss"] == pytest.approx(losses[step], rel=1e-6)
         for rank in range(4):

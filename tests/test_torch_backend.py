@@ -11,7 +11,7 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -51,7 +51,15 @@ from tango_fairscale.options import check_engine_options
 from tango_fairscale.teardown import close_process_groups
 from tango_fairscale.topology import Topology
 from tests import harness
-from tests.helpers import REPO, free_port
+from tests.helpers import (
+    REPO,
+    free_port,
+    one_line_error,
+    run_tango,
+    toy_model,
+    train_config,
+    train_work_dir,
+)
 
 STEPS = 4
 EXTRA_STEPS = 2  # after loading the checkpoint on a 2x2 hybrid mesh
@@ -838,6 +846,9 @@ def test_a_checkpoint_of_other_parameters_is_refused_naming_them(trained: Path, 
         assert "of this model's are not in it (blocks.3." in more and "are not this model's" not in more
 
 
+TAMPERED_CASES = ("swapped data files", "data file a pickle", "metadata a pickle")
+
+
 class _Payload:
     """Pickles to a call that would leave a marker file, were it ever unpickled."""
 
@@ -848,7 +859,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("tampering", ["swapped data files", "data file a pickle", "metadata a pickle"])
+@pytest.mark.parametrize("tampering", list(TAMPERED_CASES))
 def test_tampered_files_with_matching_digests_are_one_line(
     trained: Path, tmp_path: Path, tampering: str
 ) -> None:
@@ -858,7 +869,32 @@ def test_tampered_files_with_matching_digests_are_one_line(
 
     marker = tmp_path / "payload_ran"
     copy = tmp_path / "copy0"
-    shutil.copytree(trained / "checkpoint", copy)
+    _tampered_copy(trained / "checkpoint", copy, tampering, marker)
+    shutil.copytree(copy, tmp_path / "copy1")
+    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
+        assert "\n" not in outcome and "Nothing in it was run" in outcome, outcome
+        assert TAMPERED[tampering] in outcome, outcome
+    assert not marker.exists()
+
+
+#: What the refusal of each tampering names.
+TAMPERED = {
+    "swapped data files": "swapped or replaced after the save",
+    "data file a pickle": "swapped or replaced after the save",
+    "metadata a pickle": "names posix.system",
+}
+
+
+def _tampered_copy(checkpoint: Path, copy: Path, tampering: str, marker: Path) -> None:
+    """
+    A copy of a 2-worker ``checkpoint`` with its DCP files swapped, or one of them replaced by a
+    pickle whose payload creates ``marker``, and the marker's digests rewritten to match.
+    """
+    import shutil
+
+    shutil.copytree(checkpoint, copy)
     dcp_dir = copy / "dcp"
     if tampering == "swapped data files":
         first, second = dcp_dir / "__0_0.distcp", dcp_dir / "__1_0.distcp"
@@ -873,16 +909,6 @@ def test_tampered_files_with_matching_digests_are_one_line(
     for name in fields["digests"]:
         fields["digests"][name] = checkpointing.file_digest(copy / name)
     checkpointing.write_marker(copy, world_size=fields.pop("world_size"), extra=fields)
-    shutil.copytree(copy, tmp_path / "copy1")
-    harness.spawn(_copies_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
-        assert "\n" not in outcome and "Nothing in it was run" in outcome, outcome
-        expected = (
-            "names posix.system" if tampering == "metadata a pickle" else "swapped or replaced after the save"
-        )
-        assert expected in outcome, outcome
-    assert not marker.exists()
 
 
 def _heap_or_mapping(worker: harness.Worker, backend: str, work_dir: Path) -> str:
@@ -911,3 +937,74 @@ def test_each_backend_sets_the_cpu_mmap_threshold_its_buffers_need(
     for backend, expected in (("fairscale", "heap"), ("torch", "mapping")):
         (result,) = harness.run([harness.Call(_heap_or_mapping, (backend, tmp_path))], out=tmp_path / backend)
         assert result.check().values == [expected, expected], (backend, result.describe())
+
+
+# --- Through `tango run`: a checkpoint of other parameters, tampered files -------------------------------
+
+
+def _cli_config(num_blocks: int, resume_from: Optional[Path] = None) -> Dict[str, Any]:
+    """The toy regressor with ``num_blocks`` blocks, each a unit, on the torch backend."""
+    engine: Dict[str, Any] = {"backend": "torch"}
+    if resume_from is not None:
+        engine["resume_from_checkpoint"] = str(resume_from)
+    return train_config(
+        engine="fairscale",
+        wrap="nested",
+        model=toy_model(num_blocks=num_blocks),
+        callbacks=[],
+        engine_extra=engine,
+    )
+
+
+@pytest.fixture(scope="module")
+def three_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete torch-backend checkpoint of the 3-block model on 2 workers (tests.harness)."""
+    work_dir = tmp_path_factory.mktemp("three_blocks") / "work"
+    harness.train(_cli_config(3), work_dir)
+    return work_dir / "checkpoint_state_step12"
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_a_checkpoint_of_fewer_or_more_blocks_is_one_line_through_tango_run(
+    three_blocks: Path, tmp_path: Path, blocks: int
+) -> None:
+    # Into 2 blocks DCP loaded the common parameters and trained on (exit 0); into 4, 174 lines of
+    # DCP's CheckpointException.
+    result = run_tango(_cli_config(blocks, three_blocks), tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    error = one_line_error(output)
+    print(f"3 blocks resumed into {blocks}, exit {result.returncode}: {error}")
+    assert error.startswith(f"CheckpointError: {three_blocks} was saved from a model with other parameters: ")
+    if blocks == 2:
+        assert "2 in it are not this model's (blocks.2.linear.bias, blocks.2.linear.weight)" in error
+        assert "of this model's are not in it" not in error
+    else:
+        assert "2 of this model's are not in it (blocks.3.linear.bias, blocks.3.linear.weight)" in error
+        assert "are not this model's" not in error
+    assert (
+        "CheckpointException" not in output and not (train_work_dir(tmp_path / "ws") / "weights.pt").exists()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("tampering", list(TAMPERED_CASES))
+def test_tampered_files_with_matching_digests_are_one_line_through_tango_run(
+    three_blocks: Path, tmp_path: Path, tampering: str
+) -> None:
+    marker = tmp_path / "payload_ran"
+    copy = tmp_path / "tampered"
+    _tampered_copy(three_blocks, copy, tampering, marker)
+    result = run_tango(_cli_config(3, copy), tmp_path / "ws", cwd=tmp_path / "cwd", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    error = one_line_error(output)
+    print(f"{tampering}, exit {result.returncode}: {error}")
+    assert error.startswith("CheckpointError: ") and "Nothing in it was run" in error, error
+    assert TAMPERED[tampering] in error, error
+    assert "CheckpointException" not in output and "metadata is None" not in output
+    # The payload never ran.
+    assert not marker.exists()

@@ -46,8 +46,9 @@ import os
 import pickle
 import shutil
 import socket
+from contextlib import contextmanager
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -240,7 +241,15 @@ class _PerHostWriter(dcp.FileSystemWriter):
         #: On the coordinator after the save: node rank -> that host's metadata.
         self.per_host: Dict[int, Metadata] = {}
 
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _os_error_kept():
+            return super().write_data(plan, planner)
+
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        with _os_error_kept():
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         def own_last(node: int) -> List[List[WriteResult]]:
             # DCP's writer lets the last write of a value name its file: this host's workers last.
             order = sorted(range(len(results)), key=lambda rank: self._node_of_rank[rank] == node)
@@ -252,6 +261,24 @@ class _PerHostWriter(dcp.FileSystemWriter):
             host = copy.copy(metadata)
             host.storage_data = {wr.index: wr.storage_data for part in own_last(node) for wr in part}
             self.per_host[node] = host
+
+
+@contextmanager
+def _os_error_kept() -> Iterator[None]:
+    """
+    A failed write raised as its :class:`OSError`. DCP sends each worker's failure to the
+    coordinator and back pickled, which drops an exception's context: ``torch.save`` on a full
+    disk raises ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos`` with the
+    ``OSError`` (``ENOSPC``) only as its context, so the error every worker got named no cause.
+    An ``OSError`` keeps its ``errno``, ``strerror`` and file name through pickling.
+    """
+    try:
+        yield
+    except BaseException as error:
+        found = checkpointing.os_error_in(error)
+        if found is None or found is error:
+            raise
+        raise OSError(found.errno, found.strerror, found.filename) from error
 
 
 def _write_host_metadata(dcp_dir: Path, metadata: Metadata) -> None:
