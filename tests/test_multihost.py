@@ -437,7 +437,11 @@ def one_host_reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, to
     """The same experiment on one host with 4 workers (in the test's own workers: tests.harness)."""
     work_dir = tmp_path_factory.mktemp("one_host") / "work"
     harness.train(config(device_count=4, callbacks=[RECORD_LOSSES]), work_dir, world_size=4)
-    return torch.load(work_dir / "weights.pt", weights_only=True)
+    weights = torch.load(work_dir / "weights.pt", weights_only=True)
+    # weights.pt is streamed one tensor at a time: it equals the whole state consolidated in memory.
+    in_memory = consolidation.consolidate(checkpointing.resolve_checkpoint(work_dir))
+    assert list(in_memory) == list(weights) and max_abs_difference(in_memory, weights) == 0.0
+    return weights
 
 
 _uninterrupted: Dict[str, Hosts] = {}
