@@ -1,10 +1,12 @@
 """
 A pretrained Hugging Face model as the step's model (``"fairscale::from_pretrained"``): with
 either backend and ``init_on_meta`` each unit is read from the saved safetensors files as it is
-sharded; the trained weights start from the pretrained ones exactly and fine-tune as Tango's DDP
-engine fine-tunes ``from_pretrained``'s model. In the test's own workers (:mod:`tests.harness`).
+sharded; the trained weights start from the pretrained ones exactly, fine-tune as Tango's DDP
+engine fine-tunes ``from_pretrained``'s model, and a fine-tuning run with dropout killed after a
+checkpoint and rerun ends as the uninterrupted run. In the test's own workers (:mod:`tests.harness`).
 """
 
+import signal
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -169,6 +171,69 @@ def test_directory_without_the_models_tensors_is_refused(pretrained: Path, tmp_p
         from_pretrained(str(tmp_path / "config_only"))
     with pytest.raises(ConfigurationError, match="auto_class 'AutoModelForNothing'"):
         from_pretrained(str(pretrained), auto_class="AutoModelForNothing")
+
+
+# --- Through a kill: SIGKILL after a checkpoint, then the same run again ------------------------------
+
+#: GPT2Config's own dropout, spelled out: with it on, every training step draws from each worker's
+#: generator, so a rerun matches only if the checkpoint restored the random state too.
+DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+#: Checkpoint after this step; the killed run dies right after writing it, before the next step.
+KILL_AFTER = 2
+
+
+def dropout_experiment(directory: Path, backend: str, killed: bool) -> Dict[str, Any]:
+    """:func:`experiment`'s fine-tuning with dropout on, checkpointed every 2 steps; killed once or not."""
+    config = experiment(directory, backend, lr=0.01)
+    train = config["steps"]["train"]
+    train["model"]["model"]["config_overrides"] = DROPOUT
+    train["checkpoint_every"] = KILL_AFTER
+    if killed:
+        # Every worker SIGKILLed before step index 2, right after checkpoint_state_step2 is complete.
+        train["callbacks"] = [{"type": "test::kill_once", "step": KILL_AFTER}]
+    return config
+
+
+def test_dropout_is_on_in_the_fine_tuned_model(pretrained: Path) -> None:
+    # What makes the kill test below depend on the random state: two training-mode passes differ.
+    model = from_pretrained(str(pretrained), config_overrides=DROPOUT).train()
+    tokens = torch.arange(GPT2["n_positions"]).unsqueeze(0)
+    assert not torch.equal(model(input_ids=tokens).logits, model(input_ids=tokens).logits)
+
+
+def test_killed_after_a_checkpoint_and_rerun_ends_as_the_uninterrupted_run(
+    pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    plain = {
+        b: harness.Train(dropout_experiment(pretrained, b, False), tmp_path / f"{b}-plain") for b in BACKENDS
+    }
+    killed = {
+        b: harness.Train(dropout_experiment(pretrained, b, True), tmp_path / f"{b}-killed") for b in BACKENDS
+    }
+    # A killed job ends its workers: each starts the next run of jobs, which reruns it first.
+    first = harness.run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=tmp_path / "first")
+    second = harness.run([killed["fairscale"], killed["torch"]], out=tmp_path / "second")
+    (third,) = harness.run([killed["torch"]], out=tmp_path / "third")
+    for result in (*first[:2], second[0]):
+        result.check(exited=False)
+    third.check()
+    for result in (first[2], second[1]):
+        assert result.exitcodes == [-signal.SIGKILL] * 2, result.describe()
+    for backend, rerun in (("fairscale", second[0]), ("torch", third)):
+        work_dir = killed[backend].work_dir
+        assert "Recovering from previous run at " + str(work_dir / "checkpoint_state_step2") in rerun.logs
+        uninterrupted = torch.load(plain[backend].work_dir / "weights.pt", weights_only=True)
+        resumed = torch.load(work_dir / "weights.pt", weights_only=True)
+        # Dropout changed the training: the same fine-tuning without it ends elsewhere.
+        assert max_abs_difference(uninterrupted, runs[f"{backend}-finetuned"]) > 1e-4
+        difference = max_abs_difference(resumed, uninterrupted)
+        print(f"[{backend}] dropout on, max |killed and rerun - uninterrupted|: {difference:.3e}")
+        # Exactly: the rerun computes the same steps in the same order from the checkpoint's
+        # parameters, optimizer state and random generators; any lost state shows as a difference.
+        assert difference == 0.0
+        # And the exported directory is the uninterrupted run's, byte for byte.
+        hf = "hf/model.safetensors"
+        assert (work_dir / hf).read_bytes() == (plain[backend].work_dir / hf).read_bytes()
 
 
 # --- Out: the trained weights as a directory from_pretrained loads -----------------------------------
