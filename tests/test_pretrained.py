@@ -173,6 +173,76 @@ def test_directory_without_the_models_tensors_is_refused(pretrained: Path, tmp_p
         from_pretrained(str(pretrained), auto_class="AutoModelForNothing")
 
 
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{key}:"))
+
+
+def test_pretrained_files_are_read_through_a_mapping_that_is_not_private_memory(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tango_fairscale.pretrained import SafetensorsFiles
+
+    # 64 MiB of float32 and a bfloat16 tensor behind it, as save_pretrained lays them out.
+    tensors = {"big": torch.randn(4096, 4096), "small": torch.randn(3, 5).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    files = SafetensorsFiles(tmp_path)
+    assert sorted(files.names()) == ["big", "small"]
+    before = _status_kib("VmData")
+    read = {name: files.read(name) for name in files.names()}
+    grown = _status_kib("VmData") - before
+    for name, tensor in tensors.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
+    # Private writable mappings count in VmData, and against RLIMIT_DATA and cgroups, in full: a
+    # file mapped that way would count the whole pretrained model in every worker while it loads.
+    # Mapped read-only and shared, its pages are the page cache's.
+    print(f"VmData grew by {grown} KiB reading a 64 MiB file")
+    assert grown < 8 * 1024
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "model.safetensors" in line]
+    assert maps and all(line.split()[1] == "r--s" for line in maps), maps
+
+
+def _in_mapping_of(tensor: torch.Tensor, file_name: str) -> bool:
+    """Whether ``tensor``'s memory lies in this process's mapping of a file named ``file_name``."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if fields[-1].endswith(file_name) and start <= address < end:
+            return True
+    return False
+
+
+def test_a_unit_sharded_right_after_takes_the_mapped_pretrained_tensors_as_they_are(pretrained: Path) -> None:
+    from tango_fairscale.materialize import materialize_module
+
+    saved = load_file(str(pretrained / "model.safetensors"))
+    for one_allocation in (True, False):
+        with parameters_on_meta():
+            model = from_pretrained(str(pretrained), config_overrides=NO_DROPOUT)
+        materialize_module(model, torch.device("cpu"), root=model, one_allocation=one_allocation)
+        for name, param in model.named_parameters():
+            assert torch.equal(param, saved[name]), name
+            # Sharding copies every parameter out of the unit: no private copy of it before that.
+            assert _in_mapping_of(param, "model.safetensors") == one_allocation, name
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_damaged_safetensors_file_is_refused_naming_it(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tango_fairscale.pretrained import SafetensorsFiles
+
+    save_file({"weight": torch.ones(16)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-8])  # the last two floats cut off
+    with pytest.raises(ConfigurationError, match=r"model\.safetensors.*weight.*past the end of the file"):
+        SafetensorsFiles(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigurationError, match=r"model\.safetensors is not a safetensors file"):
+        SafetensorsFiles(tmp_path)
+
+
 # --- Through a kill: SIGKILL after a checkpoint, then the same run again ------------------------------
 
 #: GPT2Config's own dropout, spelled out: with it on, every training step draws from each worker's
@@ -297,6 +367,26 @@ def test_consolidate_format_hf_writes_the_engines_export(
     assert "already exists: pass --force" in capsys.readouterr().err
     assert cli.main(["consolidate", str(work_dir), str(tmp_path / "other"), "--format", "hf"]) == 2
     assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
+
+
+def test_readme_consolidate_format_hf_command_as_written(
+    pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    import shlex
+
+    from tango_fairscale import cli
+    from tests.helpers import readme_command_lines
+
+    (line,) = readme_command_lines("bash", "--format hf --hf-config")
+    filled = line.replace("WORK_DIR", str(WORK_DIRS["fairscale-finetuned"])).replace(
+        "/models/my-gpt2", str(pretrained)
+    )
+    command = shlex.split(filled)
+    assert command[:4] == ["python", "-m", "tango_fairscale", "consolidate"], command
+    out = tmp_path / command[5]
+    assert cli.main([*command[3:5], str(out), *command[6:]]) == 0
+    exported = WORK_DIRS["fairscale-finetuned"] / "hf" / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == exported.read_bytes()
 
 
 def test_export_in_shards_with_an_index_loads_the_same(pretrained: Path, tmp_path: Path) -> None:
