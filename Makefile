@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-toy demo-capacity test test-all lint clean
+.PHONY: install demo demo-toy demo-finetune demo-capacity test test-all lint clean
 
 # torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
 $(BIN)/python:
@@ -35,6 +35,15 @@ install: $(VENV)/.installed
 demo: install
 	cd examples/train_gpt2 && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/train_gpt2
 	cd examples/train_gpt2 && ../../$(BIN)/python generate.py ../../workspace/train_gpt2 --prompt "Alice was"
+
+# Fine-tuning a pretrained model and exporting it: a small GPT-2 "pretrained" here (nothing is
+# downloaded) on chapters I-VI of the book, fine-tuned with FSDP on chapters VII-XII through
+# fairscale::from_pretrained (init_on_meta), written out by export_hf, and text generated from the
+# exported directory with plain transformers.
+demo-finetune: install
+	cd examples/finetune_pretrained && ../../$(BIN)/python make_pretrained.py ../../workspace/pretrained-gpt2
+	cd examples/finetune_pretrained && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/finetune_pretrained
+	cd examples/finetune_pretrained && ../../$(BIN)/python generate.py ../../workspace/finetune_pretrained/latest/train/work/hf --prompt "The Queen"
 
 # The smallest example: a regression model in a few seconds.
 demo-toy: install

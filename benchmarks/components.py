@@ -10,7 +10,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from tango import Step
@@ -172,16 +172,30 @@ def _vm_data_bytes() -> int:
     return _status_bytes("VmData")
 
 
+def _status_fields(keys: Sequence[str]) -> Dict[str, int]:
+    """Several sizes of ``/proc/self/status`` in bytes, read in one pass (0 for one it lacks)."""
+    found = dict.fromkeys(keys, 0)
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":", 1)[0]
+            if key in found:
+                found[key] = int(line.split()[1]) * 1024
+    return found
+
+
 class _PeakSampler:
     """
     Samples VmData every few milliseconds in a daemon thread: the kernel keeps a high-water mark
     for resident memory (ru_maxrss) but none for VmData, which the budget is about. Spikes
     shorter than the interval can be missed, so the figure is a lower bound of the true peak.
+    RssAnon (private memory actually resident, which VmHWM mixes with mapped file pages) is
+    sampled beside it.
     """
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
         self.peak = 0
+        self.peak_rss_anon = 0
         self.started = False
 
     def start(self) -> None:
@@ -194,13 +208,19 @@ class _PeakSampler:
 
     def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, _vm_data_bytes())
+            self._sample()
             time.sleep(self.interval_s)
 
+    def _sample(self) -> None:
+        now = _status_fields(("VmData", "RssAnon"))
+        self.peak = max(self.peak, now["VmData"])
+        self.peak_rss_anon = max(self.peak_rss_anon, now["RssAnon"])
+
     def reset(self) -> int:
-        """The peak so far (including now); starts a new one."""
-        peak = max(self.peak, _vm_data_bytes())
-        self.peak = 0
+        """The VmData peak so far (including now); starts a new one (of RssAnon's too)."""
+        self._sample()
+        peak = self.peak
+        self.peak = self.peak_rss_anon = 0
         return peak
 
 
@@ -216,7 +236,10 @@ def limit_worker_memory(limit: Union[int, str, None]) -> Optional[int]:
     """
     _SAMPLER.start()
     # The runtime (Python, PyTorch, Tango, the data), before the model: part of the budget too.
-    _LIMIT_RECORD["vm_data_at_limit_bytes"] = _vm_data_bytes()
+    runtime = _status_fields(("VmData", "VmRSS", "RssAnon"))
+    _LIMIT_RECORD["vm_data_at_limit_bytes"] = runtime["VmData"]
+    _LIMIT_RECORD["rss_at_limit_bytes"] = runtime["VmRSS"]
+    _LIMIT_RECORD["rss_anon_at_limit_bytes"] = runtime["RssAnon"]
     if limit is None:
         return None
     limit_bytes = parse_bytes(limit)
@@ -277,11 +300,18 @@ class LimitedTorchTrainingEngine(TorchTrainingEngine):
 
 @TrainingEngine.register("benchmark::fairscale_limited")
 class LimitedFairScaleTrainingEngine(FairScaleTrainingEngine):
-    """This plugin's ``"fairscale"`` engine under a per-worker ``memory_limit``, as above."""
+    """
+    This plugin's ``"fairscale"`` engine under a per-worker ``memory_limit``, as above; it also
+    notes the worker's memory right before the model is built (the process group started).
+    """
 
     def __init__(self, *args: Any, memory_limit: Union[int, str, None] = None, **kwargs: Any) -> None:
         limit_worker_memory(memory_limit)
         super().__init__(*args, **kwargs)
+
+    def _construct_model(self, model: Any) -> Any:
+        _LIMIT_RECORD["before_model"] = _status_fields(("VmData", "VmRSS", "RssAnon"))
+        return super()._construct_model(model)
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         _limited_save_complete_weights(
@@ -332,5 +362,70 @@ class CapacityRecord(TrainCallback):
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / f"capacity_worker{self.train_config.worker_id}.json").write_text(
+            json.dumps(record)
+        )
+
+
+def _memory_so_far() -> Dict[str, int]:
+    """This worker's memory now and its peaks since the limited engine started (see below)."""
+    _SAMPLER._sample()
+    now = _status_fields(("VmData", "VmRSS", "RssAnon", "RssFile", "VmHWM"))
+    return {
+        "vm_data_bytes": now["VmData"],
+        "rss_bytes": now["VmRSS"],
+        "rss_anon_bytes": now["RssAnon"],
+        "rss_file_bytes": now["RssFile"],
+        "peak_vm_data_bytes": _SAMPLER.peak,
+        "peak_rss_anon_bytes": _SAMPLER.peak_rss_anon,
+        # The kernel's own high-water mark of the resident set (file pages included), exact.
+        "peak_rss_bytes": now["VmHWM"],
+    }
+
+
+@TrainCallback.register("benchmark::load_memory")
+class LoadMemory(TrainCallback):
+    """
+    Per worker, for ``benchmarks/pretrained_memory.py``: the memory of a
+    ``benchmark::fairscale_limited`` engine's worker (without a limit) when it started, and right
+    before it built the model (the runtime); after the model is loaded and sharded and the engine
+    built (``pre_train_loop``: the loading peaks); and after the last step (the run's peaks).
+    Written to ``load_memory_worker{N}.json`` in ``output_dir``.
+    """
+
+    def __init__(self, *args: Any, output_dir: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.output_dir = Path(output_dir)
+        self.loaded: Dict[str, int] = {}
+
+    def pre_train_loop(self) -> None:
+        self.loaded = _memory_so_far()
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        model = self.training_engine.model
+        before_model = _LIMIT_RECORD["before_model"]
+        record = {
+            "worker": self.train_config.worker_id,
+            "world_size": self.train_config.world_size,
+            # When the engine started, before the process group and the model.
+            "engine_start": {
+                "vm_data_bytes": _LIMIT_RECORD.get("vm_data_at_limit_bytes"),
+                "rss_bytes": _LIMIT_RECORD.get("rss_at_limit_bytes"),
+                "rss_anon_bytes": _LIMIT_RECORD.get("rss_anon_at_limit_bytes"),
+            },
+            # Right before the model is built: the runtime the model comes on top of.
+            "runtime": {
+                "vm_data_bytes": before_model["VmData"],
+                "rss_bytes": before_model["VmRSS"],
+                "rss_anon_bytes": before_model["RssAnon"],
+            },
+            "loaded": self.loaded,
+            "run": _memory_so_far(),
+            # This worker's share of the parameters (a shard under FSDP), in bytes.
+            "local_parameter_bytes": sum(
+                getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters()
+            ),
+        }
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"load_memory_worker{self.train_config.worker_id}.json").write_text(
             json.dumps(record)
         )

@@ -62,6 +62,8 @@ _DTYPES: List[Tuple[torch.dtype, str]] = [
     (torch.uint64, "U64"),
 ]
 _DTYPE_NAME = {dtype: name for dtype, name in _DTYPES}
+#: torch's dtype of each safetensors dtype name (for reading).
+SAFETENSORS_DTYPES = {name: dtype for dtype, name in _DTYPES}
 _DTYPE_RANK = {dtype: rank for rank, (dtype, _) in enumerate(_DTYPES)}
 
 

@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -58,7 +58,9 @@ def mark_pretrained(param: nn.Parameter, read: Callable[[], torch.Tensor]) -> No
     """
     Give a ``meta`` parameter its pretrained value, read by ``read()`` only when its unit is
     materialised (:func:`materialize_module`), in place of any initialiser: a worker reads one
-    unit's tensors at a time from memory-mapped files, never the whole model.
+    unit's tensors at a time from memory-mapped files, never the whole model. The tensor
+    ``read()`` returns may become the parameter's data until the unit is sharded (see
+    ``one_allocation``), never written through.
     """
     if not param.is_meta:
         raise ValueError("mark_pretrained takes meta parameters")
@@ -136,31 +138,68 @@ def _hf_init_function(root: nn.Module) -> Optional[Callable[[nn.Module], None]]:
 
 
 @torch.no_grad()
-def _allocate(module: nn.Module, device: torch.device, replaced: Dict[int, nn.Parameter]) -> List[nn.Module]:
-    """Replace the ``meta`` parameters of ``module`` and of its submodules outside FSDP units."""
-    touched: List[nn.Module] = []
+def _allocate(
+    module: nn.Module, device: torch.device, replaced: Dict[int, nn.Parameter], one_allocation: bool
+) -> List[nn.Module]:
+    """
+    Replace the ``meta`` parameters of ``module`` and of its submodules outside FSDP units; with
+    ``one_allocation``, see :func:`materialize_module`. Returns the modules to initialise.
+    """
+    found: List[Tuple[nn.Module, str, nn.Parameter]] = []
     for submodule in _modules_outside_fsdp(module):
-        names = [n for n, p in submodule._parameters.items() if p is not None and p.is_meta]
-        pretrained = 0
-        for name in names:
-            old = submodule._parameters[name]
-            assert old is not None
-            read = getattr(old, _PRETRAINED, None)
-            pretrained += read is not None
-            if id(old) not in replaced:  # tied parameters stay tied
-                constructed = getattr(old, _CONSTRUCTED, None)
-                if read is not None:
-                    fresh = read().to(device=device, dtype=old.dtype, copy=True)
-                elif constructed is not None:
-                    fresh = constructed.to(device=device, copy=True)
-                else:
-                    # NaN marks what no initialiser touched.
-                    fresh = torch.full(old.shape, math.nan, dtype=old.dtype, device=device)
-                replaced[id(old)] = nn.Parameter(fresh, requires_grad=old.requires_grad)
-            submodule._parameters[name] = replaced[id(old)]
-        # A module whose parameters are all pretrained is not initialised (that would overwrite them).
-        if names and pretrained < len(names):
-            touched.append(submodule)
+        for name, param in submodule._parameters.items():
+            if param is not None and param.is_meta:
+                found.append((submodule, name, param))
+    # A module whose parameters are all pretrained is not initialised (that would overwrite them).
+    touched = list(dict.fromkeys(m for m, _, p in found if getattr(p, _PRETRAINED, None) is None))
+    untouched_only = {id(p) for _, _, p in found} - {id(p) for m, _, p in found if m in touched}
+    fresh = {id(p): p for _, _, p in found if id(p) not in replaced}  # tied parameters once
+    # Pretrained values taken as they are read (see materialize_module), the others copied.
+    values: Dict[int, torch.Tensor] = {}
+    for key, old in fresh.items():
+        read = getattr(old, _PRETRAINED, None)
+        value = read() if read is not None else getattr(old, _CONSTRUCTED, None)
+        if value is None:
+            continue
+        if tuple(value.shape) != tuple(old.shape):
+            holder, name = next((m, n) for m, n, p in found if p is old)
+            raise ConfigurationError(
+                f"{type(holder).__name__}.{name}: the value to load has shape {list(value.shape)}, "
+                f"the parameter {list(old.shape)}."
+            )
+        values[key] = value
+    aliased = {
+        key
+        for key, value in values.items()
+        if one_allocation
+        and key in untouched_only
+        and getattr(fresh[key], _PRETRAINED, None) is not None
+        and value.dtype == fresh[key].dtype
+        and value.device.type == device.type == "cpu"
+    }
+    buffers: Dict[torch.dtype, torch.Tensor] = {}
+    if one_allocation:
+        for dtype in dict.fromkeys(p.dtype for key, p in fresh.items() if key not in aliased):
+            total = sum(p.numel() for key, p in fresh.items() if p.dtype == dtype and key not in aliased)
+            buffers[dtype] = torch.empty(total, dtype=dtype, device=device)
+    offsets = dict.fromkeys(buffers, 0)
+    for key, old in fresh.items():
+        if key in aliased:
+            new = values[key]
+        elif one_allocation:
+            start = offsets[old.dtype]
+            offsets[old.dtype] += old.numel()
+            new = buffers[old.dtype][start : start + old.numel()].view(old.shape)
+        else:
+            new = torch.empty(old.shape, dtype=old.dtype, device=device)
+        if key not in aliased:
+            if key in values:
+                new.copy_(values[key])
+            else:
+                new.fill_(math.nan)  # NaN marks what no initialiser touched
+        replaced[key] = nn.Parameter(new, requires_grad=old.requires_grad)
+    for submodule, name, old in found:
+        submodule._parameters[name] = replaced[id(old)]
     return touched
 
 
@@ -193,13 +232,31 @@ def _uncovered_error(names: List[str]) -> ConfigurationError:
     )
 
 
-def materialize_module(module: nn.Module, device: torch.device, root: Optional[nn.Module] = None) -> int:
+def materialize_module(
+    module: nn.Module, device: torch.device, root: Optional[nn.Module] = None, one_allocation: bool = False
+) -> int:
     """
     Allocate ``module``'s ``meta`` parameters on ``device`` (skipping FSDP units already built
     inside it) and initialise them. Returns the number of elements materialised.
+
+    ``one_allocation``, for a module that FSDP2, or FairScale with ``flatten_parameters``, shards
+    right after (both copy every parameter out before anything writes to it):
+
+    - the new parameters of one dtype are views of one buffer, so that a unit is one allocation,
+      freed as one once sharding has copied every parameter out of it. Allocated parameter by
+      parameter, those under the CPU mmap threshold (:mod:`tango_fairscale.cpu.memory`) came from
+      the heap, which each unit's shard then fragmented: loading GPT-2 small (124 M parameters, 2
+      workers, a unit per block) grew a worker's private memory 133 MiB more than its shards;
+    - a pretrained parameter of a module not initialised (all its parameters pretrained) on the
+      CPU is the tensor its reader gives, not a copy: from ``fairscale::from_pretrained``, a view
+      of the read-only mapped file, whose pages are the page cache's. Copying it first held every
+      unit twice in private memory while it was sharded.
+
+    Not for FairScale's unflattened sharding, which frees each parameter's storage in place: views
+    of one buffer share it, and a mapped file's cannot be freed.
     """
     replaced: Dict[int, nn.Parameter] = {}
-    touched = _allocate(module, device, replaced)
+    touched = _allocate(module, device, replaced, one_allocation)
     if touched:
         uninitialised = _initialise(touched, replaced, root if root is not None else module)
         if uninitialised:

@@ -6,7 +6,9 @@ With the engine's ``init_on_meta``, the model is built from its ``config.json`` 
 every parameter is marked with where its pretrained value lies in the directory's safetensors
 files (:func:`~tango_fairscale.materialize.mark_pretrained`): each FSDP unit reads its own tensors
 from the memory-mapped files as it is allocated and sharded, so no worker holds the whole model at
-once, and the files' pages are shared with the page cache rather than copied. Without
+once. The files are mapped read-only and shared, so their pages are the page cache's, not the
+worker's private memory (``safetensors``' own ``safe_open`` maps them private and writable, which
+``VmData``, ``RLIMIT_DATA`` and cgroups count in full for as long as a file is open). Without
 ``init_on_meta`` (and with Tango's DDP engine), it is ``from_pretrained`` of the ``transformers``
 class, the whole model on every worker. Tied parameters (an embedding and its LM head) are one
 parameter of the model either way, so they stay tied.
@@ -19,7 +21,11 @@ and the like, or a model constructor of the user's that calls it) loads the same
 
 import copy
 import json
+import math
+import mmap
 import os
+import struct
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +33,7 @@ import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
+from .hf_export import SAFETENSORS_DTYPES
 from .materialize import building_on_meta, mark_pretrained
 from .registry import register_model_constructor
 
@@ -35,10 +42,59 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+#: A safetensors header larger than this is not one (the format's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def read_header(path: Path) -> Tuple[int, Dict[str, Dict[str, Any]]]:
+    """
+    The offset where the tensor data of safetensors file ``path`` starts, and its header's
+    entries by tensor name (``dtype``, ``shape``, ``data_offsets``), each checked against the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        try:
+            if not 0 < length <= min(_MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("a header that is not a JSON object")
+        except ValueError as error:  # json's errors are ValueErrors too
+            raise ConfigurationError(f"{path} is not a safetensors file: {error}.") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + length
+    for name, entry in header.items():
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape = [int(n) for n in entry["shape"]]
+            dtype_name = str(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigurationError(
+                f"{path} is not a safetensors file: its entry {name!r} is {entry!r}."
+            ) from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ConfigurationError(f"{path}: {name} has the dtype {dtype_name}, which torch cannot read.")
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != expected:
+            raise ConfigurationError(
+                f"{path}: {name} has {end - begin} bytes for {expected} bytes of tensor."
+            )
+        if begin < 0 or data_start + end > size:
+            raise ConfigurationError(
+                f"{path}: {name} lies past the end of the file: it is damaged or cut short."
+            )
+    return data_start, header
+
+
 class SafetensorsFiles:
     """
     The tensors of a ``save_pretrained`` directory by name, each read on its own from its
-    memory-mapped file (``safetensors.safe_open``): reading one does not read the others.
+    memory-mapped file: reading one does not read the others. The files are mapped read-only and
+    shared (``MAP_SHARED``, ``PROT_READ``): the pages are the page cache's, and a tensor read is
+    a view of them, which sharding copies out of (a write through it would fault, not reach the file).
     """
 
     def __init__(self, directory: Path, source: str = "fairscale::from_pretrained") -> None:
@@ -50,30 +106,43 @@ class SafetensorsFiles:
             weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
             self.file_of = {name: directory / file for name, file in weight_map.items()}
         elif (directory / SAFETENSORS_FILE).is_file():
-            from safetensors import safe_open
-
             single = directory / SAFETENSORS_FILE
-            with safe_open(str(single), framework="pt") as handle:
-                self.file_of = {name: single for name in handle.keys()}
+            self.file_of = {name: single for name in read_header(single)[1]}
         else:
             raise ConfigurationError(
                 f"{source}: {directory} has neither {SAFETENSORS_FILE} nor "
                 f"{SAFETENSORS_INDEX}. Save the model with save_pretrained(..., safe_serialization=True) "
                 "(transformers' default), or load it without init_on_meta."
             )
-        self._handles: Dict[Path, Any] = {}
+        self._headers: Dict[Path, Tuple[int, Dict[str, Dict[str, Any]]]] = {}
+        self._maps: Dict[Path, mmap.mmap] = {}
 
     def names(self) -> List[str]:
         return list(self.file_of)
 
     def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, a read-only view of its file's mapping: never written through (it faults)."""
         path = self.file_of[name]
-        handle = self._handles.get(path)
-        if handle is None:
-            from safetensors import safe_open
-
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
-        return handle.get_tensor(name)  # type: ignore[no-any-return]
+        if path not in self._headers:
+            self._headers[path] = read_header(path)
+        data_start, header = self._headers[path]
+        if name not in header:
+            raise ConfigurationError(f"{path} has no tensor {name}, which {SAFETENSORS_INDEX} places there.")
+        entry = header[name]
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
+        count = math.prod(shape)
+        if count == 0:  # nothing to map (frombuffer takes no empty range)
+            return torch.empty(shape, dtype=dtype)
+        if path not in self._maps:
+            with open(path, "rb") as handle:
+                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():
+            # That the buffer is read-only is the point: the tensor is copied, never written.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            tensor = torch.frombuffer(
+                self._maps[path], dtype=dtype, count=count, offset=data_start + entry["data_offsets"][0]
+            )
+        return tensor.view(shape)
 
     def reader(self, name: str) -> Callable[[], torch.Tensor]:
         return lambda: self.read(name)

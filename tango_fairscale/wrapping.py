@@ -444,7 +444,8 @@ def with_wrapped_modules(
         for name in selected:
             module = model.get_submodule(name)
             if use_fsdp and has_meta_parameters(module):
-                materialize_module(module, device, root=model)
+                assert fsdp_config is not None
+                materialize_module(module, device, root=model, one_allocation=fsdp_config.flatten_parameters)
             if name in to_checkpoint:
                 module = checkpoint_wrapper(module, offload_to_cpu=offload_activations)
             if use_fsdp:

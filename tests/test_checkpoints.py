@@ -320,7 +320,8 @@ def test_pickle_payload_is_refused_and_not_run(
 def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path) -> None:
     """The README's consolidate command, as written there, on a work directory of either backend."""
     two_worker_run = two_worker_runs(backend)
-    (line,) = readme_command_lines("bash", "tango_fairscale consolidate WORKSPACE")
+    # The plain state dict's command (the README's other one writes a from_pretrained directory).
+    (line,) = readme_command_lines("bash", "consolidate WORKSPACE/cache/TorchTrainStep-.../work")
     filled = (
         line.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(two_worker_run))
         .replace("[--optimizer]", "--optimizer")

@@ -64,6 +64,55 @@ def test_tied_parameters_stay_tied() -> None:
     assert torch.isfinite(logits).all()
 
 
+def storages_by_dtype(model: nn.Module) -> Dict[torch.dtype, int]:
+    """How many storages the parameters of each dtype lie in."""
+    storages: Dict[torch.dtype, set] = {p.dtype: set() for p in model.parameters()}
+    for param in model.parameters():
+        storages[param.dtype].add(param.untyped_storage().data_ptr())
+    return {dtype: len(pointers) for dtype, pointers in storages.items()}
+
+
+def test_a_units_parameters_are_one_allocation() -> None:
+    # One buffer per dtype for the unit, so that sharding frees it as one mapping instead of
+    # leaving a heap fragmented by parameters under the mmap threshold.
+    models = []
+    for one_allocation in (True, False):
+        torch.manual_seed(0)
+        with parameters_on_meta():
+            model = ToyRegressor(in_features=4, width=8, num_blocks=2)
+            model.register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.float64)))
+        materialize_module(model, torch.device("cpu"), one_allocation=one_allocation)
+        models.append(model)
+    model, separate = models
+    assert storages_by_dtype(model) == {torch.float32: 1, torch.float64: 1}
+    # Without it (FairScale's unflattened sharding frees each parameter's storage): one each.
+    assert storages_by_dtype(separate) == {torch.float32: len(list(model.parameters())) - 1, torch.float64: 1}
+    # The same values either way.
+    for (name, param), other in zip(model.named_parameters(), separate.parameters()):
+        assert torch.equal(param, other), name
+    float32 = [p for p in model.parameters() if p.dtype == torch.float32]
+    assert float32[0].untyped_storage().nbytes() == 4 * sum(p.numel() for p in float32)
+    # Separate parameters all the same: changing one changes no other.
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        model.blocks[0].linear.weight.add_(1.0)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]) == (name != "blocks.0.linear.weight"), name
+
+
+def test_a_pretrained_value_of_another_shape_is_refused() -> None:
+    from tango_fairscale.materialize import mark_pretrained
+
+    with parameters_on_meta():
+        model = nn.Linear(4, 3)
+    mark_pretrained(model.weight, lambda: torch.ones(3, 4))
+    mark_pretrained(model.bias, lambda: torch.ones(1, 3))  # broadcastable, but not the parameter's shape
+    with pytest.raises(
+        ConfigurationError, match=r"Linear\.bias: the value to load has shape \[1, 3\], the parameter \[3\]"
+    ):
+        materialize_module(model, torch.device("cpu"))
+
+
 def test_bare_parameter_keeps_its_constructed_value() -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -143,6 +192,20 @@ def init_on_meta_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Pat
             model={"type": "test::attention_regressor", "in_features": 8, "width": 16},
             callbacks=[{"type": "test::record_losses"}],
         ),
+        # Each unit one allocation under flattening; without it, FairScale frees each parameter's
+        # storage as it shards it, so every parameter is allocated on its own.
+        **{
+            name: train_config(
+                engine="fairscale",
+                wrap="nested",
+                train_steps=6,
+                checkpoint_every=6,
+                fsdp_config={"flatten_parameters": flatten},
+                engine_extra={"init_on_meta": True},
+                callbacks=[],
+            )
+            for name, flatten in (("flattened", True), ("unflattened", False))
+        },
     }
     jobs = [harness.Train(experiment, root / name) for name, experiment in experiments.items()]
     for result in harness.run(jobs, out=root / "harness"):
@@ -174,6 +237,19 @@ def test_init_on_meta_trains_stock_attention_and_a_bare_parameter(init_on_meta_r
     AttentionRegressor(in_features=8, width=16).load_state_dict(weights, strict=True)
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
     assert losses_fell(work_dir)
+
+
+def test_init_on_meta_trains_the_same_with_and_without_flattening(init_on_meta_runs: Dict[str, Path]) -> None:
+    from tests.helpers import max_abs_difference
+
+    flattened, unflattened = (
+        torch.load(init_on_meta_runs[name] / "weights.pt", weights_only=True)
+        for name in ("flattened", "unflattened")
+    )
+    difference = max_abs_difference(flattened, unflattened)
+    print(f"init_on_meta, max |flatten_parameters true - false| after 6 steps: {difference:.3e}")
+    assert difference <= 1e-5
+    assert all(torch.isfinite(tensor).all() for tensor in unflattened.values())
 
 
 def forgetful_step() -> Dict[str, Any]:

@@ -1,10 +1,12 @@
 """
 A pretrained Hugging Face model as the step's model (``"fairscale::from_pretrained"``): with
 either backend and ``init_on_meta`` each unit is read from the saved safetensors files as it is
-sharded; the trained weights start from the pretrained ones exactly and fine-tune as Tango's DDP
-engine fine-tunes ``from_pretrained``'s model. In the test's own workers (:mod:`tests.harness`).
+sharded; the trained weights start from the pretrained ones exactly, fine-tune as Tango's DDP
+engine fine-tunes ``from_pretrained``'s model, and a fine-tuning run with dropout killed after a
+checkpoint and rerun ends as the uninterrupted run. In the test's own workers (:mod:`tests.harness`).
 """
 
+import signal
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -171,6 +173,139 @@ def test_directory_without_the_models_tensors_is_refused(pretrained: Path, tmp_p
         from_pretrained(str(pretrained), auto_class="AutoModelForNothing")
 
 
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{key}:"))
+
+
+def test_pretrained_files_are_read_through_a_mapping_that_is_not_private_memory(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tango_fairscale.pretrained import SafetensorsFiles
+
+    # 64 MiB of float32 and a bfloat16 tensor behind it, as save_pretrained lays them out.
+    tensors = {"big": torch.randn(4096, 4096), "small": torch.randn(3, 5).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    files = SafetensorsFiles(tmp_path)
+    assert sorted(files.names()) == ["big", "small"]
+    before = _status_kib("VmData")
+    read = {name: files.read(name) for name in files.names()}
+    grown = _status_kib("VmData") - before
+    for name, tensor in tensors.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
+    # Private writable mappings count in VmData, and against RLIMIT_DATA and cgroups, in full: a
+    # file mapped that way would count the whole pretrained model in every worker while it loads.
+    # Mapped read-only and shared, its pages are the page cache's.
+    print(f"VmData grew by {grown} KiB reading a 64 MiB file")
+    assert grown < 8 * 1024
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "model.safetensors" in line]
+    assert maps and all(line.split()[1] == "r--s" for line in maps), maps
+
+
+def _in_mapping_of(tensor: torch.Tensor, file_name: str) -> bool:
+    """Whether ``tensor``'s memory lies in this process's mapping of a file named ``file_name``."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if fields[-1].endswith(file_name) and start <= address < end:
+            return True
+    return False
+
+
+def test_a_unit_sharded_right_after_takes_the_mapped_pretrained_tensors_as_they_are(pretrained: Path) -> None:
+    from tango_fairscale.materialize import materialize_module
+
+    saved = load_file(str(pretrained / "model.safetensors"))
+    for one_allocation in (True, False):
+        with parameters_on_meta():
+            model = from_pretrained(str(pretrained), config_overrides=NO_DROPOUT)
+        materialize_module(model, torch.device("cpu"), root=model, one_allocation=one_allocation)
+        for name, param in model.named_parameters():
+            assert torch.equal(param, saved[name]), name
+            # Sharding copies every parameter out of the unit: no private copy of it before that.
+            assert _in_mapping_of(param, "model.safetensors") == one_allocation, name
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_damaged_safetensors_file_is_refused_naming_it(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tango_fairscale.pretrained import SafetensorsFiles
+
+    save_file({"weight": torch.ones(16)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-8])  # the last two floats cut off
+    with pytest.raises(ConfigurationError, match=r"model\.safetensors.*weight.*past the end of the file"):
+        SafetensorsFiles(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigurationError, match=r"model\.safetensors is not a safetensors file"):
+        SafetensorsFiles(tmp_path)
+
+
+# --- Through a kill: SIGKILL after a checkpoint, then the same run again ------------------------------
+
+#: GPT2Config's own dropout, spelled out: with it on, every training step draws from each worker's
+#: generator, so a rerun matches only if the checkpoint restored the random state too.
+DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+#: Checkpoint after this step; the killed run dies right after writing it, before the next step.
+KILL_AFTER = 2
+
+
+def dropout_experiment(directory: Path, backend: str, killed: bool) -> Dict[str, Any]:
+    """:func:`experiment`'s fine-tuning with dropout on, checkpointed every 2 steps; killed once or not."""
+    config = experiment(directory, backend, lr=0.01)
+    train = config["steps"]["train"]
+    train["model"]["model"]["config_overrides"] = DROPOUT
+    train["checkpoint_every"] = KILL_AFTER
+    if killed:
+        # Every worker SIGKILLed before step index 2, right after checkpoint_state_step2 is complete.
+        train["callbacks"] = [{"type": "test::kill_once", "step": KILL_AFTER}]
+    return config
+
+
+def test_dropout_is_on_in_the_fine_tuned_model(pretrained: Path) -> None:
+    # What makes the kill test below depend on the random state: two training-mode passes differ.
+    model = from_pretrained(str(pretrained), config_overrides=DROPOUT).train()
+    tokens = torch.arange(GPT2["n_positions"]).unsqueeze(0)
+    assert not torch.equal(model(input_ids=tokens).logits, model(input_ids=tokens).logits)
+
+
+def test_killed_after_a_checkpoint_and_rerun_ends_as_the_uninterrupted_run(
+    pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    plain = {
+        b: harness.Train(dropout_experiment(pretrained, b, False), tmp_path / f"{b}-plain") for b in BACKENDS
+    }
+    killed = {
+        b: harness.Train(dropout_experiment(pretrained, b, True), tmp_path / f"{b}-killed") for b in BACKENDS
+    }
+    # A killed job ends its workers: each starts the next run of jobs, which reruns it first.
+    first = harness.run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=tmp_path / "first")
+    second = harness.run([killed["fairscale"], killed["torch"]], out=tmp_path / "second")
+    (third,) = harness.run([killed["torch"]], out=tmp_path / "third")
+    for result in (*first[:2], second[0]):
+        result.check(exited=False)
+    third.check()
+    for result in (first[2], second[1]):
+        assert result.exitcodes == [-signal.SIGKILL] * 2, result.describe()
+    for backend, rerun in (("fairscale", second[0]), ("torch", third)):
+        work_dir = killed[backend].work_dir
+        assert "Recovering from previous run at " + str(work_dir / "checkpoint_state_step2") in rerun.logs
+        uninterrupted = torch.load(plain[backend].work_dir / "weights.pt", weights_only=True)
+        resumed = torch.load(work_dir / "weights.pt", weights_only=True)
+        # Dropout changed the training: the same fine-tuning without it ends elsewhere.
+        assert max_abs_difference(uninterrupted, runs[f"{backend}-finetuned"]) > 1e-4
+        difference = max_abs_difference(resumed, uninterrupted)
+        print(f"[{backend}] dropout on, max |killed and rerun - uninterrupted|: {difference:.3e}")
+        # Exactly: the rerun computes the same steps in the same order from the checkpoint's
+        # parameters, optimizer state and random generators; any lost state shows as a difference.
+        assert difference == 0.0
+        # And the exported directory is the uninterrupted run's, byte for byte.
+        hf = "hf/model.safetensors"
+        assert (work_dir / hf).read_bytes() == (plain[backend].work_dir / hf).read_bytes()
+
+
 # --- Out: the trained weights as a directory from_pretrained loads -----------------------------------
 
 
@@ -232,6 +367,26 @@ def test_consolidate_format_hf_writes_the_engines_export(
     assert "already exists: pass --force" in capsys.readouterr().err
     assert cli.main(["consolidate", str(work_dir), str(tmp_path / "other"), "--format", "hf"]) == 2
     assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
+
+
+def test_readme_consolidate_format_hf_command_as_written(
+    pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    import shlex
+
+    from tango_fairscale import cli
+    from tests.helpers import readme_command_lines
+
+    (line,) = readme_command_lines("bash", "--format hf --hf-config")
+    filled = line.replace("WORK_DIR", str(WORK_DIRS["fairscale-finetuned"])).replace(
+        "/models/my-gpt2", str(pretrained)
+    )
+    command = shlex.split(filled)
+    assert command[:4] == ["python", "-m", "tango_fairscale", "consolidate"], command
+    out = tmp_path / command[5]
+    assert cli.main([*command[3:5], str(out), *command[6:]]) == 0
+    exported = WORK_DIRS["fairscale-finetuned"] / "hf" / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == exported.read_bytes()
 
 
 def test_export_in_shards_with_an_index_loads_the_same(pretrained: Path, tmp_path: Path) -> None:

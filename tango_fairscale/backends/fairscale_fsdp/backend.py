@@ -70,7 +70,9 @@ class FairScaleBackend(Backend):
                 if context.fsdp_config.move_params_to_cpu
                 else context.train_config.worker_local_default_device
             )
-            materialize_module(model, device, root=model)
+            materialize_module(
+                model, device, root=model, one_allocation=context.fsdp_config.flatten_parameters
+            )
         if not worker_computes_on_cpu() and not context.fsdp_config.move_params_to_cpu:
             model.to(context.train_config.worker_local_default_device)
         self.module_aliases = module_aliases(model)

@@ -391,14 +391,16 @@ def shard_model(
         for name in plan.selected:
             module = model.get_submodule(name)
             if name in units and has_meta_parameters(module):
-                materialize_module(module, _materialize_device(unit_config, mesh), root=model)
+                materialize_module(
+                    module, _materialize_device(unit_config, mesh), root=model, one_allocation=True
+                )
             if name in plan.checkpointed:
                 module = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
                 _replace_submodule(model, name, module)
             if name in units:
                 _shard(module, unit_config, mesh, root=False, name=name, gather_buffer=gather_buffer)
         if has_meta_parameters(model):
-            materialize_module(model, _materialize_device(root_config, mesh), root=model)
+            materialize_module(model, _materialize_device(root_config, mesh), root=model, one_allocation=True)
         _shard(model, root_config, mesh, root=True, name="", gather_buffer=gather_buffer)
     return model
 

@@ -1,0 +1,88 @@
+// Fine-tuning a pretrained Hugging Face model with FSDP, and the result out again as a directory
+// transformers loads: the GPT-2 that make_pretrained.py pretrained on chapters I-VI of "Alice's
+// Adventures in Wonderland" goes on with chapters VII-XII, on 2 CPU workers (2 GPUs where there
+// are). See README.md.
+//
+//   cd examples/finetune_pretrained
+//   python make_pretrained.py                                    # ../../workspace/pretrained-gpt2
+//   tango run config.jsonnet -w ../../workspace/finetune_pretrained
+//   python generate.py ../../workspace/finetune_pretrained/latest/train/work/hf
+//
+// tango.yml in this directory sets the external variables `size` (a preset below) and `pretrained`
+// (the directory make_pretrained.py wrote; relative to the directory tango runs in); --ext-var wins.
+local size = std.extVar("size");
+local pretrained = std.extVar("pretrained");
+
+// Workers: one per GPU (NCCL) when the machine has at least device_count GPUs, else CPU processes.
+local device_count = 2;
+
+local presets = {
+  // A few steps: what the tests run.
+  tiny: { batch_size: 4, lr: 0.003, train_steps: 12, validate_every: 6, log_every: 6 },
+  // About 2 minutes on 2 CPU cores: the validation loss on the held-out end of the book falls
+  // below the pretrained model's.
+  default: { batch_size: 8, lr: 0.001, train_steps: 150, validate_every: 25, log_every: 25 },
+};
+assert std.objectHas(presets, size) :
+  "Unknown size '%s': use one of %s, e.g. --ext-var size=tiny" % [size, std.objectFields(presets)];
+local p = presets[size];
+
+{
+  steps: {
+    data: {
+      type: "finetune::text_blocks",
+      path: "../train_gpt2/data/alice_in_wonderland.txt",
+      // The chapters the pretrained model has not seen.
+      start: "CHAPTER VII.",
+      // Tokenized with the pretrained model's own tokenizer, read from its directory.
+      pretrained: pretrained,
+      block_size: 128,  // the model's n_positions
+      train_stride: 64,
+      validation_fraction: 0.1,
+    },
+    train: {
+      type: "torch::train",
+      model: {
+        type: "fairscale::with_wrapped_modules",
+        // In: the pretrained model. Under the engine's init_on_meta it is built on `meta` from its
+        // config.json, and each FSDP unit reads its own tensors from model.safetensors as it is
+        // sharded: no worker holds the whole model.
+        model: {
+          type: "fairscale::from_pretrained",
+          pretrained_model_name_or_path: pretrained,
+          auto_class: "AutoModelForCausalLM",
+        },
+        // Each transformer block its own FSDP unit.
+        wrap_module_classes: ["GPT2Block"],
+        fsdp_config: { reshard_after_forward: true },
+      },
+      training_engine: {
+        type: "fairscale",
+        // backend: "torch",   // PyTorch's FSDP2 instead of FairScale's FSDP: the same run
+        optimizer: { type: "torch::AdamW", lr: p.lr, weight_decay: 0.01 },
+        lr_scheduler: { type: "torch::CosineAnnealingLR", T_max: p.train_steps },
+        max_grad_norm: 1.0,
+        init_on_meta: true,
+        // Out: WORK_DIR/hf, written after weights.pt (the best checkpoint's weights), is a directory
+        // AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.
+        export_hf: "hf",
+      },
+      dataset_dict: { type: "ref", ref: "data" },
+      // batch_size is per worker: each step trains on batch_size * device_count blocks.
+      train_dataloader: {
+        batch_size: p.batch_size,
+        sampler: { type: "torch::DistributedSampler", shuffle: true, drop_last: true },
+      },
+      validation_split: "validation",
+      validation_dataloader: {
+        batch_size: p.batch_size,
+        sampler: { type: "torch::DistributedSampler", shuffle: false, drop_last: true },
+      },
+      train_steps: p.train_steps,
+      validate_every: p.validate_every,
+      checkpoint_every: p.validate_every,
+      log_every: p.log_every,
+      device_count: device_count,
+    },
+  },
+}
