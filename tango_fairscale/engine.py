@@ -30,7 +30,7 @@ from .backends.base import BackendContext, LoadedCheckpoint
 from .backends.lookup import backend_class
 from .checkpointing import random_state
 from .config import FSDPConfig
-from .cpu.memory import limit_cpu_heap_growth
+from .cpu.memory import BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
 from .devices import devices_are_cpu, worker_computes_on_cpu
 from .hf_export import export_hf, hf_model_in, source_directory, weights_file
 from .launch import HostWorld
@@ -200,7 +200,10 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         self.hybrid_sharding = hybrid_sharding
         if on_cpu:
-            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
+            # While the model is built, every shard (a long-lived tensor) gets its own mapping, so
+            # the unit-sized tensors freed around it leave no holes in the heap (VmData counts
+            # them); then the backend's own threshold for training (cpu/memory.py).
+            limit_cpu_heap_growth(BUILD_MMAP_THRESHOLD_BYTES)
         if train_config.is_distributed:
             _start_process_group(train_config, on_cpu, collective_timeout)
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
@@ -215,6 +218,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 max_grad_norm=max_grad_norm,
                 amp_use_bfloat16=amp_use_bfloat16,
             )
+        if on_cpu:
+            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
         self.amp = amp
         self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         self.grad_scaler: Any = self.sharding.make_grad_scaler(self.amp_dtype) if amp else None

@@ -8,6 +8,9 @@ import sys
 _M_MMAP_THRESHOLD = -3
 #: The default threshold: FairScale's flat units (a block's parameters or gradients in one tensor).
 MMAP_THRESHOLD_BYTES = 16 << 20
+#: While a model is built and sharded: its shards, which live as long as the run, get their own
+#: mappings instead of settling in the heap between the unit-sized tensors freed around them.
+BUILD_MMAP_THRESHOLD_BYTES = 2 << 20
 
 
 def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -28,6 +31,11 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
       the largest GPT-2 that trained went from 14 blocks (16 MiB) to 16 (4 MiB) and 17 (2 MiB),
       the rest of the peak beside model state and runtime from 535 to 368 MiB
       (``benchmarks/capacity.py``, ``docs/capacity.md``).
+
+    While the model is built, the engine sets :data:`BUILD_MMAP_THRESHOLD_BYTES` (both backends),
+    then the backend's own for training: loading a 124 M-parameter GPT-2 under ``init_on_meta`` on
+    the fairscale backend, VmData rose 0.97 x the weights above the runtime with it, 1.38 x with 16
+    MiB throughout (``docs/pretrained-memory.md``).
 
     It is what ``MALLOC_MMAP_THRESHOLD_=<bytes>`` does, so a value set there is left alone.
     Linux/glibc only; returns whether the setting was applied.
