@@ -86,6 +86,16 @@ def test_fsdp_matches_ddp(wrap: str, backend: str, trained: ToyTrain) -> None:
     )
 
 
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_the_backends_train_to_the_same_weights(wrap: str, trained: ToyTrain) -> None:
+    """Each backend equals DDP; here they are compared with each other directly (the same runs)."""
+    difference = max_abs_difference(
+        weights(trained("fairscale", wrap, "torch")), weights(trained("fairscale", wrap, "fairscale"))
+    )
+    print(f"[{wrap}, in process] max |torch backend - fairscale backend|: {difference:.3e}")
+    assert difference <= TOLERANCE
+
+
 @pytest.mark.slow
 def test_in_process_training_is_the_tango_runs(trained: ToyTrain, toy_run: ToyRun) -> None:
     """What the in-process tests rest on: the harness trains to a ``tango run``'s weights."""

@@ -648,7 +648,6 @@ def test_checkpoint_of_two_workers_loads_on_three(trained: Path) -> None:
         assert result["extras"] == {"trainer": {"step": STEPS, "rank": rank if rank < 2 else 0}}
 
 
-@pytest.mark.extended
 def test_checkpoint_loads_on_a_hybrid_mesh_of_two_hosts_trains_on_and_saves_per_host(trained: Path) -> None:
     saved = _results(trained, "train", 2)[0]
     states, _, _ = _reference(STEPS + EXTRA_STEPS)

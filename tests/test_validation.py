@@ -349,3 +349,15 @@ def test_one_worker_failing_ends_the_run_quickly(tmp_path: Path) -> None:
 def test_valid_config_passes_preflight() -> None:
     # The same path the refusals above take, on the unchanged config: nothing is raised.
     run_preflight(bad_config(lambda config: None))
+
+
+def test_a_forward_without_loss_is_refused_by_the_workers(tmp_path: Path) -> None:
+    """The one case only a worker can find, in the test's own workers (its CLI run is extended)."""
+    from tests import harness
+
+    (case,) = [case for case in CASES if case[0] == "forward returns no loss"]
+    _, change, error, fragment, _ = case
+    (result,) = harness.run([harness.Train(bad_config(change), tmp_path / "work")], out=tmp_path / "harness")
+    for worker in result.workers:
+        assert worker is not None and worker.error is not None, result.describe()
+        assert worker.error.startswith(f"{error}: {fragment}"), worker.error
