@@ -154,6 +154,11 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     for step in range(3):
+        if step == 1:
+            # A validation forward, as Tango's loop runs it (under inference_mode): the buffers it
+            # allocates (the root's, then the blocks') are written by the training steps after it.
+            with torch.inference_mode():
+                model(torch.randn(2, 3, generator=generator))
         inputs = torch.randn(4 * world_size, 3, generator=generator)
         model(inputs.chunk(world_size)[rank]).square().mean().backward()
         optimizer.step()
@@ -163,7 +168,9 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         # Per step: the root's all-gather, then the blocks' (one size, one buffer): two buffers,
-        # where a fresh one per all-gather would be 1 + 4 in forward and 4 in backward.
+        # where a fresh one per all-gather would be 1 + 4 in forward and 4 in backward. (The
+        # validation forward gathers the root and the blocks; the root, which does not reshard
+        # after forward, stays gathered for step 1, whose blocks reuse the validation's buffer.)
         assert buffer.allocations == 2 * (step + 1), buffer.allocations
     # Every reduce-scatter input (the root's and the blocks') was freed when its ring returned.
     assert len(left) == 3 * len(units) and set(left) == {0}, left

@@ -336,6 +336,10 @@ def test_tangos_from_pretrained_starts_from_the_pretrained_weights_exactly(
 
 
 @pytest.mark.slow
+# make test imports the integration as include_package does in a fresh process
+# (test_the_integration_imports_every_submodule_with_the_package_only) and trains Tango's
+# from_pretrained in the test's own workers: this run adds the CLI's workers around them.
+@pytest.mark.extended
 def test_tango_run_with_the_integration_included(pretrained: Path, tmp_path: Path) -> None:  # noqa: F811
     # The user's includes, the package first: `-i tango_fairscale -i tango.integrations.transformers`
     # (the test's data step comes from the config's include_package). Main process and workers

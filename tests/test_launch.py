@@ -54,6 +54,8 @@ def test_bad_port_is_named(bad: object) -> None:
 
 
 @pytest.mark.slow
+# make test covers the port choice at library level (test_taken_default_port_is_replaced_...).
+@pytest.mark.extended
 def test_two_runs_with_the_default_port_at_once(tmp_path: Path) -> None:
     """Both configs leave distributed_port at Tango's default; both runs start together and finish."""
     import json

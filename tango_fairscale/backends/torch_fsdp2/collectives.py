@@ -51,7 +51,10 @@ class GatherBuffer:
         buffer = self._buffer
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
             self._buffer = None  # ours is let go before the next is taken
-            buffer = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even when the first all-gather is a validation forward under
+            # inference_mode: an inference tensor could not be written by a later training step.
+            with torch.inference_mode(False):
+                buffer = self._buffer = torch.empty(numel, dtype=dtype, device=device)
             self.allocations += 1
         return buffer.view(*size)
 
