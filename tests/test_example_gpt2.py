@@ -1,6 +1,7 @@
 """
 The GPT-2 example (examples/train_gpt2) end to end through the ``tango`` command line, in its
-``tiny`` size, and the ``fairscale::memory`` callback on its own.
+``tiny`` size (extended: make test runs the fine-tuning example through the CLI,
+tests/test_example_finetune.py), and the ``fairscale::memory`` callback on its own.
 """
 
 import json
@@ -64,6 +65,7 @@ def _output(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_example_trains_and_writes_plain_gpt2_weights(trained) -> None:
     result, workspace = trained
     assert result.returncode == 0, _output(result)[-6000:]
@@ -96,6 +98,7 @@ def test_example_trains_and_writes_plain_gpt2_weights(trained) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_example_prints_memory_summary(trained) -> None:
     result, workspace = trained
     assert result.returncode == 0, _output(result)[-6000:]
@@ -116,6 +119,7 @@ def test_example_prints_memory_summary(trained) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_generate_prints_text(trained) -> None:
     result, workspace = trained
     assert result.returncode == 0, _output(result)[-6000:]
@@ -242,6 +246,7 @@ def test_memory_callback_is_registered() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_plan_estimate_matches_the_example_run(trained, tmp_path: Path) -> None:
     result, workspace = trained
     assert result.returncode == 0, _output(result)[-6000:]

@@ -56,10 +56,13 @@ def test_tied_model_weights(in_process_runs: Dict[str, Path], backend: str) -> N
     TiedLM().load_state_dict(weights, strict=True)
 
 
-#: Through the CLI, where the main process builds the step's result: the torch backend's variant is
-#: extended (the result is built the same way; its weights.pt is test_tied_model_weights's).
+#: Through the CLI, where the main process builds the step's result: extended. make test builds a
+#: step's result through the CLI in tests/test_equivalence.py::test_step_result_is_the_trained_model
+#: and keeps ties at library level (test_assign_state_dict_adopts_the_tensors_and_keeps_ties below);
+#: the tied model's weights.pt is test_tied_model_weights's.
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_tied_model_result_and_weights(tmp_path: Path, backend: str) -> None:
     run_tango(_tied_config(backend), tmp_path / "ws", cwd=tmp_path / "cwd")
     work = train_work_dir(tmp_path / "ws")
