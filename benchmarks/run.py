@@ -77,6 +77,9 @@ class Config(NamedTuple):
 
 NO_RESHARD = {"fsdp_config": {"reshard_after_forward": False}}
 
+#: The engine leaves a huge-pages setting in ``GLIBC_TUNABLES`` alone.
+NO_HUGE_PAGES = "glibc.malloc.hugetlb=0"
+
 CONFIGS: Dict[str, Config] = {
     "ddp": Config("torch", {}, None),
     "fsdp": Config("fairscale", {"init_on_meta": True}, {"fsdp_config": {}}),
@@ -100,6 +103,17 @@ CONFIGS: Dict[str, Config] = {
         {"backend": "torch", "init_on_meta": True},
         {"fsdp_config": {}},
         env={"MALLOC_MMAP_THRESHOLD_": str(16 << 20)},
+    ),
+    # Either backend with its CPU workers' malloc not advising transparent huge pages, as before
+    # the engine did (tango_fairscale/cpu/memory.py: cpu_worker_environment): what they save.
+    "fsdp_no_thp": Config(
+        "fairscale", {"init_on_meta": True}, {"fsdp_config": {}}, env={"GLIBC_TUNABLES": NO_HUGE_PAGES}
+    ),
+    "fsdp2_no_thp": Config(
+        "fairscale",
+        {"backend": "torch", "init_on_meta": True},
+        {"fsdp_config": {}},
+        env={"GLIBC_TUNABLES": NO_HUGE_PAGES},
     ),
     # Gradient accumulation over GRAD_ACCUM micro-batches per optimizer step: a reduce-scatter
     # per micro-batch, or (accumulate_grads_locally) only after the last one.

@@ -69,7 +69,9 @@ T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for eve
     (SIGTERM) or waited for by a main process that had printed ``Aborted!`` (SIGINT). (f) On
     steps of the engine, the model Tango builds in the main process after training, the step's
     result, is built on ``meta`` and takes ``weights.pt``'s tensors as they are
-    (:mod:`tango_fairscale.step_result`): Tango's build-then-copy held the weights twice.
+    (:mod:`tango_fairscale.step_result`): Tango's build-then-copy held the weights twice. The
+    engine's CPU workers are spawned with ``GLIBC_TUNABLES`` asking malloc to advise transparent
+    huge pages (:func:`tango_fairscale.cpu.memory.cpu_worker_environment`).
 T2. ``tango.integrations.torch.train._train``, the worker function Tango's ``_train`` passes to
     ``mp.spawn``, is replaced by :func:`_train_worker`, which calls it: a distributed worker is
     killed when its main process dies (``PR_SET_PDEATHSIG``; torch's spawn asks for SIGINT, which

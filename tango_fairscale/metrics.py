@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
 from .callbacks import peak_memory_mib
+from .cpu.memory import malloc_advises_huge_pages
 from .throughput import StepWindow, Window, combine, meter_for
 
 __all__ = ["METRICS_FILE_NAME", "MetricsLog", "plot_metrics", "read_metrics"]
@@ -163,7 +164,9 @@ class MetricsLog(TrainCallback):
     ``peak_flops_per_second_per_worker``, ``peak`` (where worker 0's peak comes from, e.g. the
     measured matmul), ``flops`` (how they are counted) with ``model_flops_counted`` (the counted
     step and its FLOPs, all workers), ``tokens`` (what is counted as tokens, or that there are
-    none) and ``collectives`` (what is timed).
+    none), ``collectives`` (what is timed) and ``malloc_huge_pages`` (whether worker 0's malloc
+    advises transparent huge pages, as CPU workers spawned by ``tango run`` do:
+    :func:`~tango_fairscale.cpu.memory.cpu_worker_environment`).
 
     A validation line (``"kind": "validation"``), after each validation loop, has ``step``,
     ``epoch``, ``time``, ``val_<name>`` for every scalar the model returned in validation
@@ -367,6 +370,7 @@ class MetricsLog(TrainCallback):
             },
             "tokens": first.tokens,
             "collectives": first.collectives,
+            "malloc_huge_pages": malloc_advises_huge_pages(),
             "time": time.time(),
         }
 

@@ -6,7 +6,9 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 - :func:`run_step`, in Tango's main process: the package re-imported in the workers, the engine's
   callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
   host (the rendezvous store served from here) or a launch across hosts (any number of workers
-  per host, 1 included); a worker's ``CheckpointError`` told as its one line.
+  per host, 1 included); the engine's CPU workers spawned with malloc advising transparent huge pages
+  (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); a worker's ``CheckpointError``
+  told as its one line.
 - :func:`run_worker`, in each spawned worker: dies with its main process; across hosts, its
   global rank and ``TrainConfig``; its process groups closed once it finished. In the main
   process of a host with one worker (Tango runs a step of one device in-process), it spawns that
@@ -25,6 +27,8 @@ from torch.multiprocessing import ProcessRaisedException
 from . import compat
 from . import launch as launching
 from .callbacks import RestoreRandomState
+from .cpu.memory import cpu_worker_environment
+from .devices import devices_are_cpu
 from .errors import worker_checkpoint_error
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
@@ -108,20 +112,11 @@ def run_step(
     if on_fairscale and isinstance(model, Lazy):
         # (f) The final model in this process: on meta, the weights assigned, not copied.
         args = (FinalModelOnMeta(model), *args[1:])
+    # CPU workers start with malloc advising huge pages (glibc reads it only at a start).
+    workers_env = cpu_worker_environment(os.environ) if on_fairscale and devices_are_cpu(devices) else {}
     try:
-        if launch is not None:
-            return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
-        # (c) Served from this process for the life of the step (see tango_fairscale.launch).
-        configured = getattr(step, "_config", None) or {}
-        with (
-            launching.rendezvous_store(
-                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-                set_in_config="distributed_port" in configured,
-            ) as port,
-            launching.stop_workers_on_signals(),
-        ):
-            kwargs["distributed_port"] = port
-            return finish_result(original(step, *args, **kwargs))
+        with launching.environment(workers_env):
+            return _train_distributed(step, launch, original, args, kwargs)
     except ProcessRaisedException as error:
         # (g) A worker's CheckpointError (a refused checkpoint, a full disk) is one line, not
         # mp.spawn's traceback quoting the worker's.
@@ -130,6 +125,25 @@ def run_step(
             raise
         logger.debug("The worker's error, as mp.spawn reported it:%s", error)
         raise one_line from error
+
+
+def _train_distributed(
+    step: Any, launch: Any, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """The step's workers spawned on this host, alone or as one host of several."""
+    if launch is not None:
+        return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
+    # (c) Served from this process for the life of the step (see tango_fairscale.launch).
+    configured = getattr(step, "_config", None) or {}
+    with (
+        launching.rendezvous_store(
+            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+            set_in_config="distributed_port" in configured,
+        ) as port,
+        launching.stop_workers_on_signals(),
+    ):
+        kwargs["distributed_port"] = port
+        return finish_result(original(step, *args, **kwargs))
 
 
 def _train_across_hosts(

@@ -129,7 +129,8 @@ def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-# Extended: test_example_gpt2.py plans the same example in make test.
+# Extended: in make test, test_settings_file_packages_and_environment plans from a directory whose
+# tango.yml sets the environment and includes packages, as this example's does.
 @pytest.mark.extended
 def test_the_gpt2_example_plans_from_its_directory() -> None:
     # Its tango.yml sets `size` in the environment, which the jsonnet reads with std.extVar,

@@ -8,10 +8,8 @@ files). Training in the test's own workers (:mod:`tests.harness`); one ``tango r
 ``-i`` path.
 """
 
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from tango.integrations.torch import Model
 from tango_fairscale import compat
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tests import harness
-from tests.helpers import REPO, load_weights, run_tango, train_config
+from tests.helpers import ConcurrentScripts, load_weights, run_tango, train_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")  # Tango's transformers integration imports it (the hf extra)
@@ -51,10 +49,9 @@ def saved_tensors(directory: Path) -> Dict[str, torch.Tensor]:
 # --- H1: the integration imports --------------------------------------------------------------------
 
 
-def test_the_integration_imports_every_submodule_with_the_package_only() -> None:
-    # As `-i tango.integrations.transformers` imports it (every submodule), in a fresh process:
-    # first without the package (Tango's ia3 module fails on this transformers), then with it.
-    script = f"""
+# As `-i tango.integrations.transformers` imports it (every submodule), in a fresh process: first
+# without the package (Tango's ia3 module fails on this transformers), then with it.
+IMPORT_EVERY_SUBMODULE = f"""
 from tango.common.util import import_module_and_submodules
 try:
     import_module_and_submodules("{INTEGRATION}")
@@ -67,18 +64,10 @@ from transformers import pytorch_utils
 from transformers.models.gpt2 import modeling_gpt2
 print("WITH:", ia3.Conv1D is pytorch_utils.Conv1D is modeling_gpt2.Conv1D)
 """
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "WITHOUT: cannot import name 'Conv1D' from 'transformers.modeling_utils'" in result.stdout
-    assert "WITH: True" in result.stdout
 
-
-def test_the_patches_wait_for_transformers_to_be_imported() -> None:
-    # Importing the package imports no transformers (seconds in every process); H2 is applied by the
-    # import hook when transformers' modeling_utils is imported later, which still loads as before.
-    script = """
+# Importing the package imports no transformers (seconds in every process); H2 is applied by the
+# import hook when transformers' modeling_utils is imported later, which still loads as before.
+IMPORT_TRANSFORMERS_LATER = """
 import inspect, sys
 import tango_fairscale
 print("IMPORTED:", "transformers.modeling_utils" in sys.modules)
@@ -86,9 +75,27 @@ from transformers import PreTrainedModel, modeling_utils
 print("ROUTED:", getattr(PreTrainedModel.from_pretrained.__func__, "_tango_fairscale", False))
 print("SOURCE:", "class PreTrainedModel(" in inspect.getsource(modeling_utils))
 """
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False
-    )
+
+
+@pytest.fixture(scope="module")
+def fresh_processes() -> Iterator[ConcurrentScripts]:
+    """The two import checks, each in its own fresh process, started together."""
+    scripts = ConcurrentScripts({"submodules": IMPORT_EVERY_SUBMODULE, "later": IMPORT_TRANSFORMERS_LATER})
+    yield scripts
+    scripts.close()
+
+
+def test_the_integration_imports_every_submodule_with_the_package_only(
+    fresh_processes: ConcurrentScripts,
+) -> None:
+    result = fresh_processes.result("submodules")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WITHOUT: cannot import name 'Conv1D' from 'transformers.modeling_utils'" in result.stdout
+    assert "WITH: True" in result.stdout
+
+
+def test_the_patches_wait_for_transformers_to_be_imported(fresh_processes: ConcurrentScripts) -> None:
+    result = fresh_processes.result("later")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:3] == ["IMPORTED: False", "ROUTED: True", "SOURCE: True"]
 

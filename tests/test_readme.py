@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -53,14 +53,28 @@ def run(command: List[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
     return result
 
 
-def tango_run(cwd: Path) -> None:
-    """The README's ``tango run`` line, with the user's packages and a short run."""
+def start_tango_run(cwd: Path) -> Tuple[List[str], subprocess.Popen]:
+    """The README's ``tango run`` line, with the user's packages and a short run, started in ``cwd``."""
     (line,) = readme_command_lines("bash", "tango run config.jsonnet -i tango_fairscale -w workspace")
     command = shlex.split(line)
     assert command[0] == "tango" and "-w" in command
     overrides = f'{{"steps.train.train_steps": {TRAIN_STEPS}, "steps.train.distributed_port": {free_port()}}}'
     extra = [arg for package in USER_PACKAGES for arg in ("-i", package)]
-    run([TANGO, *command[1:], *extra, "-o", overrides], cwd)
+    command = [TANGO, *command[1:], *extra, "-o", overrides]
+    process = subprocess.Popen(
+        command, cwd=cwd, env=tango_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    return command, process
+
+
+def finish(command: List[str], process: subprocess.Popen, timeout: float = 300) -> None:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, f"{command}\n{stdout[-3000:]}\n{stderr[-3000:]}"
 
 
 TRAIN_SNIPPET = readme_block_with("jsonnet", 'type: "torch::train"')
@@ -81,12 +95,22 @@ def torch_backend_snippet() -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """Per backend, the directory the README's ``tango run`` ran in (its ``workspace`` inside)."""
-    directories = {}
-    for backend, snippet in (("fairscale", TRAIN_SNIPPET), ("torch", torch_backend_snippet())):
-        cwd = tmp_path_factory.mktemp(f"readme_{backend}")
-        (cwd / "config.jsonnet").write_text(experiment(snippet))
-        tango_run(cwd)
-        directories[backend] = cwd
+    # Both started at once, each on its own port: most of a run is its processes' start-up, which
+    # overlaps well on two cores.
+    directories, started = {}, []
+    try:
+        for backend, snippet in (("fairscale", TRAIN_SNIPPET), ("torch", torch_backend_snippet())):
+            cwd = tmp_path_factory.mktemp(f"readme_{backend}")
+            (cwd / "config.jsonnet").write_text(experiment(snippet))
+            started.append(start_tango_run(cwd))
+            directories[backend] = cwd
+        for command, process in started:
+            finish(command, process)
+    finally:
+        for _, process in started:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     return directories
 
 

@@ -3,6 +3,7 @@
 import ctypes
 import os
 import sys
+from typing import Dict, Mapping
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -47,3 +48,51 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+#: glibc's tunable (2.35 and later) that has malloc advise transparent huge pages
+#: (``madvise(MADV_HUGEPAGE)``) for the memory it maps; ``1`` turns it on.
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
+
+
+def cpu_worker_environment(env: Mapping[str, str]) -> Dict[str, str]:
+    """
+    What Tango's main process adds to the environment of the CPU workers it spawns for a step on
+    the ``"fairscale"`` engine (either backend): glibc's malloc advises transparent huge pages
+    for its mappings (``GLIBC_TUNABLES``; glibc reads it when a process starts, so only a spawned
+    worker can have it).
+
+    Why: an FSDP worker allocates and writes whole-unit buffers every step (gathered parameters,
+    their gradients, activations), each in a fresh mapping of its own past the mmap threshold
+    (:func:`limit_cpu_heap_growth`), paged in one 4 KiB fault at a time. With huge pages, where
+    the kernel offers them for ``madvise`` (``/sys/kernel/mm/transparent_hugepage/enabled``), one
+    fault maps 2 MiB: measured on the 2-core machine, allocating and writing a GPT-2 block's
+    per-parameter tensors (324 MiB in 48 tensors) took 96 to 105 ms instead of 164 to 191 ms.
+    The mappings keep their sizes, so what ``RLIMIT_DATA`` counts barely changes (glibc grows the
+    main heap in 2 MiB steps instead of 4 KiB ones); torch's own ``THP_MEM_ALLOC_ENABLE`` would
+    align every large tensor to 2 MiB and add up to 2 MiB to each mapping.
+
+    A ``glibc.malloc.hugetlb`` already in ``GLIBC_TUNABLES`` is left as it is
+    (``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns this off); other tunables are kept. Linux only
+    (elsewhere nothing is added); a glibc older than 2.35, or another C library, ignores it.
+    """
+    if not sys.platform.startswith("linux"):
+        return {}
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if any(item.split("=", 1)[0] == HUGE_PAGES_TUNABLE for item in tunables.split(":") if item):
+        return {}
+    return {"GLIBC_TUNABLES": ":".join(item for item in (tunables, f"{HUGE_PAGES_TUNABLE}=1") if item)}
+
+
+def malloc_advises_huge_pages(env: Mapping[str, str] = os.environ) -> bool:
+    """
+    Whether this process was started with glibc's tunable asking malloc to advise transparent huge
+    pages (``glibc.malloc.hugetlb=1`` in ``GLIBC_TUNABLES``; ``2`` asks for hugetlbfs pages
+    instead, which are not advised). What was asked for: a glibc older than 2.35, another C
+    library, or a kernel whose transparent huge pages are off does not act on it.
+    """
+    for item in env.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name == HUGE_PAGES_TUNABLE:
+            return value == "1"
+    return False

@@ -1,0 +1,98 @@
+"""
+CPU workers' malloc: transparent huge pages advised for the workers ``tango run`` spawns
+(:func:`tango_fairscale.cpu.memory.cpu_worker_environment`), what it does to a process, and that the
+workers of a real run have it.
+"""
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Dict, Iterator, Tuple
+
+import pytest
+
+from tango_fairscale.cpu.memory import HUGE_PAGES_TUNABLE, cpu_worker_environment, malloc_advises_huge_pages
+from tests.conftest import ToyRun
+from tests.helpers import ConcurrentScripts, train_work_dir
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def test_huge_pages_are_added_to_the_workers_tunables() -> None:
+    assert cpu_worker_environment({}) == {"GLIBC_TUNABLES": f"{HUGE_PAGES_TUNABLE}=1"}
+    # The user's other tunables are kept.
+    assert cpu_worker_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}=1"
+    }
+
+
+@pytest.mark.parametrize("value", ["0", "1", "2"])
+def test_a_huge_pages_setting_of_the_user_is_left_alone(value: str) -> None:
+    env = {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}={value}"}
+    assert cpu_worker_environment(env) == {}
+    # 2 asks glibc for hugetlbfs pages, which it does not advise as transparent huge pages.
+    assert malloc_advises_huge_pages(env) is (value == "1")
+
+
+def test_a_process_without_the_tunable_does_not_advise() -> None:
+    assert malloc_advises_huge_pages({}) is False
+    assert malloc_advises_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is False
+
+
+# Allocates and writes a 64 MiB tensor (its own mapping, past glibc's mmap threshold), then reports
+# how much of the process's anonymous memory is in huge pages.
+TOUCH_AND_COUNT = """
+import torch
+tensor = torch.ones(16 << 20)
+huge = [line for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")]
+print("HUGE_KIB:", int(huge[0].split()[1]), float(tensor.sum()))
+"""
+
+
+@pytest.fixture(scope="module")
+def touched() -> Iterator[Dict[str, ConcurrentScripts]]:
+    """
+    The script in two processes at once: one started with the workers' tunable, its control
+    without (glibc reads the tunable when a process starts).
+    """
+    plain = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES"}
+    started = {"default": ConcurrentScripts({"default": TOUCH_AND_COUNT}, env=plain)}
+    try:
+        advised_env = {**plain, **cpu_worker_environment(plain)}
+        started["advised"] = ConcurrentScripts({"advised": TOUCH_AND_COUNT}, env=advised_env)
+        yield started
+    finally:
+        for scripts in started.values():
+            scripts.close()
+
+
+def _glibc_version() -> Tuple[int, ...]:
+    library, version = platform.libc_ver()
+    return tuple(int(part) for part in version.split(".")[:2]) if library == "glibc" and version else ()
+
+
+@pytest.mark.skipif(
+    not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(),
+    reason="the kernel's transparent huge pages are not in madvise mode (the control needs it)",
+)
+@pytest.mark.skipif(_glibc_version() < (2, 35), reason="glibc.malloc.hugetlb is glibc 2.35's")
+def test_a_process_started_with_it_maps_large_tensors_in_huge_pages(
+    touched: Dict[str, ConcurrentScripts],
+) -> None:
+    kib = {}
+    for name in ("advised", "default"):
+        result = touched[name].result(name)
+        assert result.returncode == 0, result.stderr[-3000:]
+        kib[name] = int(result.stdout.split("HUGE_KIB:")[1].split()[0])
+    print(f"anonymous memory in huge pages after writing 64 MiB: {kib}")
+    assert kib["advised"] >= 32 << 10  # most of the 64 MiB, in 2 MiB pages
+    assert kib["default"] == 0
+
+
+@pytest.mark.slow
+def test_the_workers_of_a_tango_run_advise_huge_pages(toy_run: ToyRun) -> None:
+    run = toy_run("fairscale", "nested_ckpt", "fairscale")
+    lines = [json.loads(line) for line in (train_work_dir(run) / "metrics.jsonl").read_text().splitlines()]
+    (run_line,) = [line for line in lines if line["kind"] == "run"]
+    assert run_line["malloc_huge_pages"] is True
