@@ -271,6 +271,10 @@ def test_dropout_is_on_in_the_fine_tuned_model(pretrained: Path) -> None:
     assert not torch.equal(model(input_ids=tokens).logits, model(input_ids=tokens).logits)
 
 
+# Extended: make test kills and reruns a run after a checkpoint through the CLI with either backend
+# (test_checkpoints.py) and a model with dropout in the test's own workers (test_integrity.py); this
+# adds a pretrained model loaded under init_on_meta, whose resume restores the same checkpoint.
+@pytest.mark.extended
 def test_killed_after_a_checkpoint_and_rerun_ends_as_the_uninterrupted_run(
     pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:

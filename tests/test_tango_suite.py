@@ -10,10 +10,10 @@ real ``tango`` command line: the 8 combinations of
 
 on a three-block regressor of four features (``tests/tango_suite/components.py``), every block
 its own unit. All 8 are steps of one experiment, run by one ``tango run -i tango_fairscale``
-(one start-up instead of 8; make test runs three of them, make test-all all 8). A second run
-trains one of the cases with the plugin loaded only by a plain ``import tango_fairscale`` in the
+(one start-up instead of 8; make test runs two of them, make test-all all 8). A second run
+trains a third case with the plugin loaded only by a plain ``import tango_fairscale`` in the
 process that calls Tango's CLI (``tests/tango_suite/plain_import.py``), so that the workers must
-find the plugin by themselves; make test starts the two runs together.
+find the plugin by themselves.
 
 Each case checks its own step: it finished, its ``weights.pt`` loads with ``strict=True`` into
 the plain model, and those weights fit the training data better than the model Tango started
@@ -133,46 +133,37 @@ class SuiteRun:
         return list(dict.fromkeys(line.strip() for line in lines))
 
 
-class SuiteProcess:
-    """A ``tango run`` of suite cases under way; :meth:`finish` waits for it."""
-
-    def __init__(self, root: Path, cases: List[Case], plain_import: bool) -> None:
-        steps = {case.name: train_step(case) for case in cases}
-        config = {"steps": {"data": {"type": "tango_suite::data"}, **steps}}
-        self.workspace, cwd = root / "ws", root / "cwd"
-        if plain_import:
-            command = tango_command(config, self.workspace, cwd, includes=[COMPONENTS])
-            command = [sys.executable, "-m", "tests.tango_suite.plain_import", *command[1:]]
-        else:
-            command = tango_command(config, self.workspace, cwd, includes=["tango_fairscale", COMPONENTS])
-        self.process = subprocess.Popen(
-            command, cwd=cwd, env=tango_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-    def finish(self) -> SuiteRun:
-        try:
-            output, _ = self.process.communicate(timeout=480)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.communicate()
-        return SuiteRun(self.workspace, self.process.returncode, output)
-
-
 def run_suite(root: Path, cases: List[Case], plain_import: bool) -> SuiteRun:
     """One ``tango run`` of ``cases``, each a step of its own, with the plugin loaded by ``-i``
     or by a plain import in the process that calls Tango's CLI."""
-    return SuiteProcess(root, cases, plain_import).finish()
+    config = {
+        "steps": {"data": {"type": "tango_suite::data"}, **{case.name: train_step(case) for case in cases}}
+    }
+    workspace, cwd = root / "ws", root / "cwd"
+    if plain_import:
+        command = tango_command(config, workspace, cwd, includes=[COMPONENTS])
+        command = [sys.executable, "-m", "tests.tango_suite.plain_import", *command[1:]]
+    else:
+        command = tango_command(config, workspace, cwd, includes=["tango_fairscale", COMPONENTS])
+    result = subprocess.run(
+        command,
+        cwd=cwd,
+        env=tango_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=480,
+    )
+    return SuiteRun(workspace, result.returncode, result.stdout)
 
 
-# With the plugin loaded by a plain import, one case: the FSDP engine and the wrapper with
-# checkpointing, both needed inside the workers (each step costs about 10 s of worker start-up).
-PLAIN_IMPORT_CASES = [Case(fsdp=True, ckpt=True, amp=False)]
-# make test runs three of the 8 (every option on and off at least once, both engines); the run of
-# all 8 (60 s) is extended.
+# With the plugin loaded by a plain import, one case: the FSDP engine and the wrapper, both needed
+# inside the workers (each step costs several seconds of worker start-up).
+PLAIN_IMPORT_CASES = [Case(fsdp=True, ckpt=False, amp=False)]
+# make test runs three of the 8, two here and the plain import's (every option on and off at least
+# once, both engines); the run of all 8 (60 s) is extended.
 INCLUDE_CASES = [
     Case(fsdp=True, ckpt=True, amp=True),
-    Case(fsdp=True, ckpt=False, amp=False),
     Case(fsdp=False, ckpt=True, amp=False),
 ]
 VARIANTS = {"include": INCLUDE_CASES, "include_all": CASES, "plain_import": PLAIN_IMPORT_CASES}
@@ -185,27 +176,8 @@ def variant_param(variant: str, *values: Any, id: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def make_test_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, SuiteRun]:
-    """
-    The runs of make test, started together: most of a run is its processes' start-up (imports,
-    one spawn of the workers per step), which overlaps well on two cores. Each picks its own ports.
-    """
-    started: Dict[str, SuiteProcess] = {}
-    try:
-        for name, cases in (("include", INCLUDE_CASES), ("plain_import", PLAIN_IMPORT_CASES)):
-            root = tmp_path_factory.mktemp(f"suite_{name}")
-            started[name] = SuiteProcess(root, cases, plain_import=name == "plain_import")
-        return {name: each.finish() for name, each in started.items()}
-    finally:
-        for each in started.values():
-            if each.process.poll() is None:
-                each.process.kill()
-                each.process.communicate()
-
-
-@pytest.fixture(scope="module")
-def include_run(make_test_runs: Dict[str, SuiteRun]) -> SuiteRun:
-    return make_test_runs["include"]
+def include_run(tmp_path_factory: pytest.TempPathFactory) -> SuiteRun:
+    return run_suite(tmp_path_factory.mktemp("suite_include"), INCLUDE_CASES, plain_import=False)
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +186,8 @@ def include_all_run(tmp_path_factory: pytest.TempPathFactory) -> SuiteRun:
 
 
 @pytest.fixture(scope="module")
-def plain_import_run(make_test_runs: Dict[str, SuiteRun]) -> SuiteRun:
-    return make_test_runs["plain_import"]
+def plain_import_run(tmp_path_factory: pytest.TempPathFactory) -> SuiteRun:
+    return run_suite(tmp_path_factory.mktemp("suite_plain_import"), PLAIN_IMPORT_CASES, plain_import=True)
 
 
 def full_train_loss(model: SuiteRegressor) -> float:
