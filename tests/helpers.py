@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -170,24 +171,36 @@ def run_tango(
     return result
 
 
-class ConcurrentScripts:
+@dataclass(frozen=True)
+class Command:
+    """A command to start: its arguments, where, and its environment (default: this process's)."""
+
+    argv: List[str]
+    cwd: Path = REPO
+    env: Optional[Dict[str, str]] = None
+
+
+def python_command(script: str, env: Optional[Dict[str, str]] = None) -> Command:
+    """``python -c script`` in the repository."""
+    return Command([sys.executable, "-c", script], env=env)
+
+
+class ConcurrentProcesses:
     """
-    Fresh ``python -c`` processes, all started at once in the repository, so that their start-ups
-    overlap: each spends seconds importing torch, Tango and whatever the script checks, mostly on
-    one core. ``env`` is their environment (default: this process's). A test reads its own
-    script's result with :meth:`result`; :meth:`close` kills any still running and closes the
-    pipes.
+    Commands all started at once, so that their start-ups overlap: each spends seconds importing
+    torch, Tango and whatever it checks, mostly on one core. A test reads its own command's result
+    with :meth:`result`; :meth:`close` kills any still running and closes the pipes.
     """
 
-    def __init__(self, scripts: Dict[str, str], env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, commands: Dict[str, Command]) -> None:
         self._processes: Dict[str, subprocess.Popen] = {}
         self._results: Dict[str, subprocess.CompletedProcess] = {}
         try:
-            for name, script in scripts.items():
+            for name, command in commands.items():
                 self._processes[name] = subprocess.Popen(
-                    [sys.executable, "-c", script],
-                    cwd=REPO,
-                    env=env,
+                    command.argv,
+                    cwd=command.cwd,
+                    env=command.env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -4,17 +4,17 @@ CPU workers' malloc: transparent huge pages advised for the workers ``tango run`
 workers of a real run have it.
 """
 
-import json
 import os
 import platform
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import Iterator, Tuple
 
 import pytest
 
 from tango_fairscale.cpu.memory import HUGE_PAGES_TUNABLE, cpu_worker_environment, malloc_advises_huge_pages
+from tango_fairscale.metrics import read_metrics
 from tests.conftest import ToyRun
-from tests.helpers import ConcurrentScripts, train_work_dir
+from tests.helpers import ConcurrentProcesses, python_command, train_work_dir
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -51,20 +51,20 @@ print("HUGE_KIB:", int(huge[0].split()[1]), float(tensor.sum()))
 
 
 @pytest.fixture(scope="module")
-def touched() -> Iterator[Dict[str, ConcurrentScripts]]:
+def touched() -> Iterator[ConcurrentProcesses]:
     """
     The script in two processes at once: one started with the workers' tunable, its control
     without (glibc reads the tunable when a process starts).
     """
     plain = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES"}
-    started = {"default": ConcurrentScripts({"default": TOUCH_AND_COUNT}, env=plain)}
-    try:
-        advised_env = {**plain, **cpu_worker_environment(plain)}
-        started["advised"] = ConcurrentScripts({"advised": TOUCH_AND_COUNT}, env=advised_env)
-        yield started
-    finally:
-        for scripts in started.values():
-            scripts.close()
+    processes = ConcurrentProcesses(
+        {
+            "advised": python_command(TOUCH_AND_COUNT, env={**plain, **cpu_worker_environment(plain)}),
+            "default": python_command(TOUCH_AND_COUNT, env=plain),
+        }
+    )
+    yield processes
+    processes.close()
 
 
 def _glibc_version() -> Tuple[int, ...]:
@@ -78,11 +78,11 @@ def _glibc_version() -> Tuple[int, ...]:
 )
 @pytest.mark.skipif(_glibc_version() < (2, 35), reason="glibc.malloc.hugetlb is glibc 2.35's")
 def test_a_process_started_with_it_maps_large_tensors_in_huge_pages(
-    touched: Dict[str, ConcurrentScripts],
+    touched: ConcurrentProcesses,
 ) -> None:
     kib = {}
     for name in ("advised", "default"):
-        result = touched[name].result(name)
+        result = touched.result(name)
         assert result.returncode == 0, result.stderr[-3000:]
         kib[name] = int(result.stdout.split("HUGE_KIB:")[1].split()[0])
     print(f"anonymous memory in huge pages after writing 64 MiB: {kib}")
@@ -93,6 +93,7 @@ def test_a_process_started_with_it_maps_large_tensors_in_huge_pages(
 @pytest.mark.slow
 def test_the_workers_of_a_tango_run_advise_huge_pages(toy_run: ToyRun) -> None:
     run = toy_run("fairscale", "nested_ckpt", "fairscale")
-    lines = [json.loads(line) for line in (train_work_dir(run) / "metrics.jsonl").read_text().splitlines()]
+    lines, skipped = read_metrics(train_work_dir(run) / "metrics.jsonl")
     (run_line,) = [line for line in lines if line["kind"] == "run"]
+    assert skipped == 0
     assert run_line["malloc_huge_pages"] is True

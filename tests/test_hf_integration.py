@@ -20,7 +20,7 @@ from tango.integrations.torch import Model
 from tango_fairscale import compat
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tests import harness
-from tests.helpers import ConcurrentScripts, load_weights, run_tango, train_config
+from tests.helpers import ConcurrentProcesses, load_weights, python_command, run_tango, train_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")  # Tango's transformers integration imports it (the hf extra)
@@ -78,15 +78,20 @@ print("SOURCE:", "class PreTrainedModel(" in inspect.getsource(modeling_utils))
 
 
 @pytest.fixture(scope="module")
-def fresh_processes() -> Iterator[ConcurrentScripts]:
+def fresh_processes() -> Iterator[ConcurrentProcesses]:
     """The two import checks, each in its own fresh process, started together."""
-    scripts = ConcurrentScripts({"submodules": IMPORT_EVERY_SUBMODULE, "later": IMPORT_TRANSFORMERS_LATER})
+    scripts = ConcurrentProcesses(
+        {
+            "submodules": python_command(IMPORT_EVERY_SUBMODULE),
+            "later": python_command(IMPORT_TRANSFORMERS_LATER),
+        }
+    )
     yield scripts
     scripts.close()
 
 
 def test_the_integration_imports_every_submodule_with_the_package_only(
-    fresh_processes: ConcurrentScripts,
+    fresh_processes: ConcurrentProcesses,
 ) -> None:
     result = fresh_processes.result("submodules")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,7 +99,7 @@ def test_the_integration_imports_every_submodule_with_the_package_only(
     assert "WITH: True" in result.stdout
 
 
-def test_the_patches_wait_for_transformers_to_be_imported(fresh_processes: ConcurrentScripts) -> None:
+def test_the_patches_wait_for_transformers_to_be_imported(fresh_processes: ConcurrentProcesses) -> None:
     result = fresh_processes.result("later")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:3] == ["IMPORTED: False", "ROUTED: True", "SOURCE: True"]

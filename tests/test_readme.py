@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import pytest
 import torch
@@ -24,6 +24,8 @@ from tests.components import MyModel
 from tests.helpers import (
     REPO,
     TANGO,
+    Command,
+    ConcurrentProcesses,
     free_port,
     max_abs_difference,
     readme_block_with,
@@ -53,28 +55,14 @@ def run(command: List[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
     return result
 
 
-def start_tango_run(cwd: Path) -> Tuple[List[str], subprocess.Popen]:
-    """The README's ``tango run`` line, with the user's packages and a short run, started in ``cwd``."""
+def readme_tango_run(cwd: Path) -> Command:
+    """The README's ``tango run`` line, with the user's packages and a short run, in ``cwd``."""
     (line,) = readme_command_lines("bash", "tango run config.jsonnet -i tango_fairscale -w workspace")
     command = shlex.split(line)
     assert command[0] == "tango" and "-w" in command
     overrides = f'{{"steps.train.train_steps": {TRAIN_STEPS}, "steps.train.distributed_port": {free_port()}}}'
     extra = [arg for package in USER_PACKAGES for arg in ("-i", package)]
-    command = [TANGO, *command[1:], *extra, "-o", overrides]
-    process = subprocess.Popen(
-        command, cwd=cwd, env=tango_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    return command, process
-
-
-def finish(command: List[str], process: subprocess.Popen, timeout: float = 300) -> None:
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, f"{command}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return Command([TANGO, *command[1:], *extra, "-o", overrides], cwd=cwd, env=tango_env())
 
 
 TRAIN_SNIPPET = readme_block_with("jsonnet", 'type: "torch::train"')
@@ -97,20 +85,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """Per backend, the directory the README's ``tango run`` ran in (its ``workspace`` inside)."""
     # Both started at once, each on its own port: most of a run is its processes' start-up, which
     # overlaps well on two cores.
-    directories, started = {}, []
+    directories, commands = {}, {}
+    for backend, snippet in (("fairscale", TRAIN_SNIPPET), ("torch", torch_backend_snippet())):
+        cwd = directories[backend] = tmp_path_factory.mktemp(f"readme_{backend}")
+        (cwd / "config.jsonnet").write_text(experiment(snippet))
+        commands[backend] = readme_tango_run(cwd)
+    runs = ConcurrentProcesses(commands)
     try:
-        for backend, snippet in (("fairscale", TRAIN_SNIPPET), ("torch", torch_backend_snippet())):
-            cwd = tmp_path_factory.mktemp(f"readme_{backend}")
-            (cwd / "config.jsonnet").write_text(experiment(snippet))
-            started.append(start_tango_run(cwd))
-            directories[backend] = cwd
-        for command, process in started:
-            finish(command, process)
+        for backend, command in commands.items():
+            result = runs.result(backend)
+            assert result.returncode == 0, f"{command.argv}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     finally:
-        for _, process in started:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+        runs.close()
     return directories
 
 

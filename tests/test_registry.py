@@ -5,7 +5,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import ConcurrentScripts
+from tests.helpers import ConcurrentProcesses, python_command
 
 CHECK = """
 import {first}, {second}
@@ -47,12 +47,18 @@ except RegistryKeyError as error:
 
 
 @pytest.fixture(scope="module")
-def scripts() -> Iterator[ConcurrentScripts]:
+def scripts() -> Iterator[ConcurrentProcesses]:
     """Every check of this module in its own fresh process, started together."""
-    checks = ConcurrentScripts(
+    checks = ConcurrentProcesses(
         {
-            **{f"order {first}": CHECK.format(first=first, second=second) for first, second in ORDERS},
-            **{f"typo {name}": preamble + TYPO_CHECK for name, preamble in TYPO_PREAMBLES.items()},
+            **{
+                f"order {first}": python_command(CHECK.format(first=first, second=second))
+                for first, second in ORDERS
+            },
+            **{
+                f"typo {name}": python_command(preamble + TYPO_CHECK)
+                for name, preamble in TYPO_PREAMBLES.items()
+            },
         }
     )
     yield checks
@@ -60,17 +66,17 @@ def scripts() -> Iterator[ConcurrentScripts]:
 
 
 @pytest.mark.parametrize("first, second", ORDERS)
-def test_both_import_orders_resolve_to_ours(first: str, second: str, scripts: ConcurrentScripts) -> None:
+def test_both_import_orders_resolve_to_ours(first: str, second: str, scripts: ConcurrentProcesses) -> None:
     result = scripts.result(f"order {first}")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["tango_fairscale.engine", "tango_fairscale.wrapping"]
 
 
-def test_misspelt_type_elsewhere_gets_tangos_not_registered_error(scripts: ConcurrentScripts) -> None:
+def test_misspelt_type_elsewhere_gets_tangos_not_registered_error(scripts: ConcurrentProcesses) -> None:
     assert_typo_gets_tango_answer(scripts.result("typo elsewhere"))
 
 
-def test_misspelt_type_with_transformers_but_no_datasets(scripts: ConcurrentScripts) -> None:
+def test_misspelt_type_with_transformers_but_no_datasets(scripts: ConcurrentProcesses) -> None:
     assert_typo_gets_tango_answer(scripts.result("typo no datasets"))
 
 

@@ -180,6 +180,12 @@ WARNINGS = [
 ]
 
 
+def draw_warnings(config: Config) -> None:
+    """Change ``config`` so that it draws every warning of :data:`WARNINGS`."""
+    for _, each, _ in WARNINGS:
+        each(config)
+
+
 def bad_config(change: Callable[[Config], None]) -> Config:
     config = train_config(engine="fairscale", wrap="nested", train_steps=4, checkpoint_every=2, callbacks=[])
     change(config)
@@ -332,8 +338,7 @@ def test_one_worker_failing_ends_the_run_quickly_and_each_warning_is_printed_onc
         checkpoint_every=25,
         callbacks=[{"type": "test::fail_on_worker", "worker": 1, "step": 2}],
     )
-    for _, each, _ in WARNINGS:
-        each(config)
+    draw_warnings(config)
     start = time.monotonic()
     result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=120)
     elapsed = time.monotonic() - start
@@ -350,11 +355,7 @@ def test_a_config_that_draws_the_warnings_trains(tmp_path: Path) -> None:
     """Warnings, not errors: the config of both trains to its weights.pt (in the test's own workers)."""
     from tests import harness
 
-    def change(config: Config) -> None:
-        for _, each, _ in WARNINGS:
-            each(config)
-
-    harness.train(bad_config(change), tmp_path / "work")
+    harness.train(bad_config(draw_warnings), tmp_path / "work")
     weights = torch.load(tmp_path / "work" / "weights.pt", weights_only=True)
     assert weights and all(torch.isfinite(tensor).all() for tensor in weights.values())
 

@@ -3,7 +3,7 @@
 import ctypes
 import os
 import sys
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -76,11 +76,9 @@ def cpu_worker_environment(env: Mapping[str, str]) -> Dict[str, str]:
     (``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns this off); other tunables are kept. Linux only
     (elsewhere nothing is added); a glibc older than 2.35, or another C library, ignores it.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or _tunable(env, HUGE_PAGES_TUNABLE) is not None:
         return {}
     tunables = env.get("GLIBC_TUNABLES", "")
-    if any(item.split("=", 1)[0] == HUGE_PAGES_TUNABLE for item in tunables.split(":") if item):
-        return {}
     return {"GLIBC_TUNABLES": ":".join(item for item in (tunables, f"{HUGE_PAGES_TUNABLE}=1") if item)}
 
 
@@ -91,8 +89,13 @@ def malloc_advises_huge_pages(env: Mapping[str, str] = os.environ) -> bool:
     instead, which are not advised). What was asked for: a glibc older than 2.35, another C
     library, or a kernel whose transparent huge pages are off does not act on it.
     """
+    return _tunable(env, HUGE_PAGES_TUNABLE) == "1"
+
+
+def _tunable(env: Mapping[str, str], name: str) -> Optional[str]:
+    """The value ``GLIBC_TUNABLES`` (``name=value:name=value``) in ``env`` gives ``name``, if any."""
     for item in env.get("GLIBC_TUNABLES", "").split(":"):
-        name, _, value = item.partition("=")
-        if name == HUGE_PAGES_TUNABLE:
-            return value == "1"
-    return False
+        key, _, value = item.partition("=")
+        if key == name:
+            return value
+    return None
