@@ -30,7 +30,7 @@ from .backends.base import BackendContext, LoadedCheckpoint
 from .backends.lookup import backend_class
 from .checkpointing import random_state
 from .config import FSDPConfig
-from .cpu.memory import BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
+from .cpu.memory import limit_cpu_heap_growth, long_lived_allocations
 from .devices import devices_are_cpu, worker_computes_on_cpu
 from .hf_export import export_hf, hf_model_in, source_directory, weights_file
 from .launch import HostWorld
@@ -200,15 +200,14 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         self.hybrid_sharding = hybrid_sharding
         if on_cpu:
-            # While the model is built, every shard (a long-lived tensor) gets its own mapping, so
-            # the unit-sized tensors freed around it leave no holes in the heap (VmData counts
-            # them); then the backend's own threshold for training (cpu/memory.py).
-            limit_cpu_heap_growth(BUILD_MMAP_THRESHOLD_BYTES)
+            # The backend's threshold for what a step allocates and frees; the model's shards and
+            # what a checkpoint loads outlive it (cpu/memory.py).
+            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
         if train_config.is_distributed:
             _start_process_group(train_config, on_cpu, collective_timeout)
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
         # and wrong for sharded gradients): construct it without AMP, then set AMP up here.
-        with compat.process_group_already_started(train_config):
+        with compat.process_group_already_started(train_config), long_lived_allocations():
             super().__init__(
                 train_config,
                 model,
@@ -218,8 +217,6 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 max_grad_norm=max_grad_norm,
                 amp_use_bfloat16=amp_use_bfloat16,
             )
-        if on_cpu:
-            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
         self.amp = amp
         self.amp_dtype = amp_dtype(on_cpu, amp_use_bfloat16)
         self.grad_scaler: Any = self.sharding.make_grad_scaler(self.amp_dtype) if amp else None
@@ -290,7 +287,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
         checkpoint_dir = Path(checkpoint_dir).resolve()
-        loaded = self.sharding.load(checkpoint_dir, self.model, self.optimizer)
+        with long_lived_allocations():  # the optimizer state, and the shards loaded in place
+            loaded = self.sharding.load(checkpoint_dir, self.model, self.optimizer)
         return self._restore_the_rest(checkpoint_dir, loaded)
 
     def _restore_the_rest(self, checkpoint_dir: Path, loaded: LoadedCheckpoint) -> Dict[str, Any]:

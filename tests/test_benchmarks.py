@@ -99,7 +99,13 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     gathers = calls_per_step(records[("fsdp_accum_local_no_reshard", 2)], "all_gather")
     assert max(gathers) < min(calls_per_step(records[("fsdp_accum_local", 2)], "all_gather"))
     table = (tmp_path / "benchmarks.md").read_text()
-    assert "| x FSDP2 | MFU | in collectives | all-gather | reduce-scatter |" in table
+    assert "| x `fsdp` | MFU | in collectives | all-gather | reduce-scatter |" in table
+    # The torch backend's step against the fairscale backend's, and its targets beside fsdp's.
+    fsdp2 = records[("fsdp2", 2)]
+    assert fsdp2["time_vs_fsdp"] == fsdp2["step_time_s"] / records[("fsdp", 2)]["step_time_s"]
+    verdict = "met" if fsdp2["time_vs_fsdp"] <= 1.0 else "missed"
+    what = "step time / the fairscale backend's (`fsdp`)"
+    assert f"| `fsdp2` | 2 | {what} | <= 1.00 | {fsdp2['time_vs_fsdp']:.3f} | {verdict} |" in table
     assert f"`{data['peak']['command']}`" in table
     for name in CONFIGS:
         assert f"| `{name}` | 2 |" in table

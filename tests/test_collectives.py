@@ -1,13 +1,13 @@
 """The ring all-gather and reduce-scatter of the CPU support give what gloo's own give."""
 
 import copy
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tango_fairscale.backends.torch_fsdp2.collectives import RingReduceScatter
+from tango_fairscale.backends.torch_fsdp2.collectives import RingAllGather, RingReduceScatter, UnitBuffer
 from tango_fairscale.cpu.collectives import GlooCollectives
 from tango_fairscale.teardown import close_process_groups
 from tests import harness
@@ -118,16 +118,18 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
 
 
 class _Recording(RingReduceScatter):
-    """The ring reduce-scatter, recording what is left of each input's memory once it returns."""
+    """The ring reduce-scatter, recording each input's address and what is left of its memory."""
 
-    def __init__(self, left: List[int]) -> None:
-        self.left = left
+    def __init__(self, inputs: UnitBuffer, record: List[Tuple[int, int]], *, ends_backward: bool) -> None:
+        super().__init__(inputs, ends_backward=ends_backward)
+        self.record = record
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
+        address = input_tensor.untyped_storage().data_ptr()
         result = super().__call__(output_tensor, input_tensor, *args, **kwargs)
-        self.left.append(input_tensor.untyped_storage().nbytes())
+        self.record.append((address, input_tensor.untyped_storage().nbytes()))
         return result
 
 
@@ -135,7 +137,6 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tango_fairscale import FSDPConfig, WrapPlan
-    from tango_fairscale.backends.torch_fsdp2.collectives import GatherBuffer, RingAllGather
     from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -146,10 +147,11 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     shard_model(model, WrapPlan.build(model, ["1", "2", "3", "4"]), FSDPConfig(), FSDPConfig(), mesh)
     units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
-    buffer, left = GatherBuffer(), []
+    assert units[0] is model  # the root, then the blocks
+    gathers, scatters, record = UnitBuffer(), UnitBuffer(), []
     for unit in units:
-        unit.set_custom_all_gather(RingAllGather(buffer))
-        unit.set_custom_reduce_scatter(_Recording(left))
+        unit.set_custom_all_gather(RingAllGather(gathers))
+        unit.set_custom_reduce_scatter(_Recording(scatters, record, ends_backward=unit is model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
@@ -171,9 +173,18 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
         # where a fresh one per all-gather would be 1 + 4 in forward and 4 in backward. (The
         # validation forward gathers the root and the blocks; the root, which does not reshard
         # after forward, stays gathered for step 1, whose blocks reuse the validation's buffer.)
-        assert buffer.allocations == 2 * (step + 1), buffer.allocations
-    # Every reduce-scatter input (the root's and the blocks') was freed when its ring returned.
-    assert len(left) == 3 * len(units) and set(left) == {0}, left
+        assert gathers.allocations == 2 * (step + 1), gathers.allocations
+        # The blocks' reduce-scatter inputs: one buffer per step, let go after the root's.
+        assert scatters.allocations == step + 1, scatters.allocations
+        assert scatters.nbytes == 0, scatters.nbytes
+    # Per step, the blocks reduce (backward runs from the last block) into one buffer, kept; then
+    # the root, last, into an input of its own, freed when its ring returned.
+    assert len(record) == 3 * len(units), record
+    for step in range(3):
+        blocks_, root = record[step * 5 : step * 5 + 4], record[step * 5 + 4]
+        assert len({address for address, _ in blocks_}) == 1, blocks_
+        assert all(size > 0 for _, size in blocks_), blocks_
+        assert root[1] == 0 and root[0] != blocks_[0][0], (root, blocks_)
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
     for name, p in reference.named_parameters():
         torch.testing.assert_close(full[name], p, rtol=0, atol=1e-6)
@@ -181,10 +192,25 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp2_units_share_one_gather_buffer_and_free_reduce_scatter_inputs(world_size: int) -> None:
+def test_fsdp2_units_share_their_gather_and_reduce_scatter_buffers(world_size: int) -> None:
     harness.spawn(_check_fsdp2_buffers, args=(world_size, free_port()), nprocs=world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_ring_collectives_match_gloo(world_size: int) -> None:
     harness.spawn(_check_fsdp2, args=(world_size, free_port()), nprocs=world_size)
+
+
+def test_a_reduce_scatter_output_in_the_shared_input_buffer_is_refused() -> None:
+    # FSDP2 asks for a reduce-scatter's input, then its output: the first allocation is the
+    # shared buffer. Asked the other way round, the output would be overwritten by the next unit.
+    inputs = UnitBuffer()
+    scatter = RingReduceScatter(inputs)
+    first = scatter.allocate((8,), dtype=torch.float32, device=torch.device("cpu"))
+    second = scatter.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+    assert inputs.holds(first) and not inputs.holds(second)
+    with pytest.raises(RuntimeError, match="asked for a reduce-scatter's output before its input"):
+        scatter(output_tensor=first[:4], input_tensor=second, group=None)  # type: ignore[arg-type]
+    # The root's input is its own, and the next allocation is an input again.
+    root = RingReduceScatter(inputs, ends_backward=True)
+    assert not inputs.holds(root.allocate((8,), dtype=torch.float32, device=torch.device("cpu")))

@@ -1,9 +1,11 @@
 """
 CPU workers' malloc: transparent huge pages advised for the workers ``tango run`` spawns
 (:func:`tango_fairscale.cpu.memory.cpu_worker_environment`), what it does to a process, and that the
-workers of a real run have it.
+workers of a real run have it; long-lived allocations in mappings of their own
+(:func:`tango_fairscale.cpu.memory.long_lived_allocations`).
 """
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -50,17 +52,59 @@ print("HUGE_KIB:", int(huge[0].split()[1]), float(tensor.sum()))
 """
 
 
+# Where 4 MiB tensors land under a 16 MiB mmap threshold (heap: glibc's main heap, or a mapping
+# of its own): before, inside and after long_lived_allocations, nested in it, and under a
+# threshold of 2 MiB or less (which it leaves alone).
+WHERE_TENSORS_LAND = """
+import json
+import torch
+from tango_fairscale.cpu.memory import limit_cpu_heap_growth, long_lived_allocations
+
+def where(tensor):
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+        if start <= address < end:
+            return "heap" if line.rstrip().endswith("[heap]") else "mapping"
+
+assert limit_cpu_heap_growth(16 << 20)
+found, kept = {}, []
+def allocate(name):
+    kept.append(torch.ones(1 << 20))  # 4 MiB, written
+    found[name] = where(kept[-1])
+allocate("before")
+with long_lived_allocations():
+    allocate("inside")
+allocate("after")
+with long_lived_allocations():
+    with long_lived_allocations():
+        allocate("nested")
+    allocate("after nested")
+allocate("after both")
+assert limit_cpu_heap_growth(1 << 20)
+with long_lived_allocations():
+    kept.append(torch.ones(1 << 18))  # 1 MiB: a mapping under the 1 MiB threshold, left alone
+    found["1 MiB threshold"] = where(kept[-1])
+print("WHERE:", json.dumps(found))
+"""
+
+
 @pytest.fixture(scope="module")
-def touched() -> Iterator[ConcurrentProcesses]:
+def scripts() -> Iterator[ConcurrentProcesses]:
     """
-    The script in two processes at once: one started with the workers' tunable, its control
-    without (glibc reads the tunable when a process starts).
+    The scripts, in fresh processes started at once: the huge-pages one started with the
+    workers' tunable, and its control without (glibc reads the tunable when a process starts);
+    the long-lived one without the user's mmap threshold (which would turn it off).
     """
     plain = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES"}
     processes = ConcurrentProcesses(
         {
             "advised": python_command(TOUCH_AND_COUNT, env={**plain, **cpu_worker_environment(plain)}),
             "default": python_command(TOUCH_AND_COUNT, env=plain),
+            "long_lived": python_command(
+                WHERE_TENSORS_LAND,
+                env={name: value for name, value in plain.items() if name != "MALLOC_MMAP_THRESHOLD_"},
+            ),
         }
     )
     yield processes
@@ -78,11 +122,11 @@ def _glibc_version() -> Tuple[int, ...]:
 )
 @pytest.mark.skipif(_glibc_version() < (2, 35), reason="glibc.malloc.hugetlb is glibc 2.35's")
 def test_a_process_started_with_it_maps_large_tensors_in_huge_pages(
-    touched: ConcurrentProcesses,
+    scripts: ConcurrentProcesses,
 ) -> None:
     kib = {}
     for name in ("advised", "default"):
-        result = touched.result(name)
+        result = scripts.result(name)
         assert result.returncode == 0, result.stderr[-3000:]
         kib[name] = int(result.stdout.split("HUGE_KIB:")[1].split()[0])
     print(f"anonymous memory in huge pages after writing 64 MiB: {kib}")
@@ -97,3 +141,21 @@ def test_the_workers_of_a_tango_run_advise_huge_pages(toy_run: ToyRun) -> None:
     (run_line,) = [line for line in lines if line["kind"] == "run"]
     assert skipped == 0
     assert run_line["malloc_huge_pages"] is True
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+@pytest.mark.skipif(not _glibc_version(), reason="mallopt's mmap threshold is glibc's")
+def test_long_lived_allocations_get_mappings_of_their_own(scripts: ConcurrentProcesses) -> None:
+    result = scripts.result("long_lived")
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.split("WHERE:")[1])
+    print(found)
+    assert found == {
+        "before": "heap",
+        "inside": "mapping",
+        "after": "heap",
+        "nested": "mapping",
+        "after nested": "mapping",  # still inside the outer one
+        "after both": "heap",
+        "1 MiB threshold": "mapping",
+    }

@@ -930,8 +930,8 @@ def test_each_backend_sets_the_cpu_mmap_threshold_its_buffers_need(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # FSDP2 gathers one tensor per parameter (MiBs each) rather than FairScale's flat units: a
-    # 5 MiB tensor gets its own mapping under the torch backend, comes from the heap under the
-    # fairscale backend's 16 MiB threshold. Fresh workers for each.
+    # 5 MiB tensor gets its own mapping under the torch backend's 4 MiB threshold, comes from the
+    # heap under the fairscale backend's 16 MiB. Fresh workers for each.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     for backend, expected in (("fairscale", "heap"), ("torch", "mapping")):
         (result,) = harness.run([harness.Call(_heap_or_mapping, (backend, tmp_path))], out=tmp_path / backend)

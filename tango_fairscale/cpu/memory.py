@@ -3,15 +3,15 @@
 import ctypes
 import os
 import sys
-from typing import Dict, Mapping, Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, Mapping, Optional
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
 #: The default threshold: FairScale's flat units (a block's parameters or gradients in one tensor).
 MMAP_THRESHOLD_BYTES = 16 << 20
-#: While a model is built and sharded: its shards, which live as long as the run, get their own
-#: mappings instead of settling in the heap between the unit-sized tensors freed around them.
-BUILD_MMAP_THRESHOLD_BYTES = 2 << 20
+#: The threshold for long-lived allocations (:func:`long_lived_allocations`).
+LONG_LIVED_MMAP_THRESHOLD_BYTES = 2 << 20
 
 
 def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -28,26 +28,78 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
       per step: fresh mappings are paged in anew. A 1 MiB threshold saved more in an earlier
       measurement but made every activation a fresh mapping and a step 25 % slower.
     - FSDP2's per-parameter tensors (2.25 to 9 MiB each for GPT-2 of width 768, gathered and
-      their gradients), 2 MiB: under a whole-run budget of 1,600 MiB per process on 2 workers,
-      the largest GPT-2 that trained went from 14 blocks (16 MiB) to 16 (4 MiB) and 17 (2 MiB),
-      the rest of the peak beside model state and runtime from 535 to 368 MiB
-      (``benchmarks/capacity.py``, ``docs/capacity.md``).
+      their gradients): see :class:`~tango_fairscale.backends.torch_fsdp2.backend.TorchBackend`.
 
-    While the model is built, the engine sets :data:`BUILD_MMAP_THRESHOLD_BYTES` (both backends),
-    then the backend's own for training: loading a 124 M-parameter GPT-2 under ``init_on_meta`` on
-    the fairscale backend, VmData rose 0.97 x the weights above the runtime with it, 1.38 x with 16
-    MiB throughout (``docs/pretrained-memory.md``).
+    Below it, what a step allocates and frees comes from the heap and is reused from step to step
+    without being paged in again; what outlives a step is allocated under
+    :func:`long_lived_allocations`, so that it does not pin the heap.
 
-    It is what ``MALLOC_MMAP_THRESHOLD_=<bytes>`` does, so a value set there is left alone.
-    Linux/glibc only; returns whether the setting was applied.
+    It is what ``MALLOC_MMAP_THRESHOLD_=<bytes>`` does, so a value set there is left alone (and
+    :func:`long_lived_allocations` changes nothing). Linux/glibc only; returns whether the setting
+    was applied.
     """
+    global _applied_threshold
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
+    if not _set_mmap_threshold(threshold):
+        return False
+    _applied_threshold = threshold
+    return True
+
+
+#: The threshold :func:`limit_cpu_heap_growth` applied in this process, if it did.
+_applied_threshold: Optional[int] = None
+
+
+def _set_mmap_threshold(threshold: int) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+@contextmanager
+def long_lived_allocations() -> Iterator[None]:
+    """
+    Inside, allocations of :data:`LONG_LIVED_MMAP_THRESHOLD_BYTES` (2 MiB) or more get their own
+    memory mappings, whatever the threshold :func:`limit_cpu_heap_growth` set: for tensors that
+    are allocated outside a step's pattern and outlive it (a model's shards as it is built, what a
+    checkpoint loads, the torch backend's gradient shards and the buffers its units share).
+
+    Why: glibc's main heap only shrinks from its top, and ``RLIMIT_DATA`` (VmData) counts all of
+    it. A long-lived tensor placed in it before training, beneath the space a step's activations
+    and gathered parameters take, pushes that space up; in its own mapping it leaves the heap to
+    what a step allocates and frees, which the next step reuses. Measured: while the model is
+    built (``docs/capacity.md``), the fairscale backend went from 15 to 16 blocks on 2 workers and
+    from 27 to 29 on 4; the torch backend's gradient shards, shared buffers and optimizer state
+    with a 16 MiB threshold, from 14 to 15 blocks on 2 workers. Not the optimizer state its first step
+    allocates: placed in the holes a backward pass leaves, it costs nothing there, and as mappings
+    it raised the training peak by 6 MiB (torch backend, 2 workers, 16 blocks) and 17 MiB
+    (fairscale backend, 4 workers, 28 blocks) in single trials.
+
+    ``mallopt`` is process-wide: an allocation another thread makes meanwhile is served the same
+    way, which only moves it out of the heap. Nothing changes where :func:`limit_cpu_heap_growth`
+    has not applied a threshold above 2 MiB (a user's ``MALLOC_MMAP_THRESHOLD_`` included).
+    """
+    global _long_lived_depth
+    threshold = _applied_threshold
+    if threshold is None or threshold <= LONG_LIVED_MMAP_THRESHOLD_BYTES:
+        yield
+        return
+    if _long_lived_depth == 0:
+        _set_mmap_threshold(LONG_LIVED_MMAP_THRESHOLD_BYTES)
+    _long_lived_depth += 1
+    try:
+        yield
+    finally:
+        _long_lived_depth -= 1
+        if _long_lived_depth == 0 and _applied_threshold is not None:
+            _set_mmap_threshold(_applied_threshold)
+
+
+#: How many :func:`long_lived_allocations` blocks are open (a nested one changes nothing).
+_long_lived_depth = 0
 
 
 #: glibc's tunable (2.35 and later) that has malloc advise transparent huge pages

@@ -31,9 +31,13 @@ class TorchBackend(Backend):
 
     name = "torch"
     supports_hybrid_sharding = True
-    # FSDP2 gathers into and frees one tensor per parameter, not one per unit: with the default
-    # 16 MiB threshold those (MiBs each) fragment the heap. Measured in cpu/memory.py.
-    cpu_mmap_threshold = 2 << 20
+    # FSDP2 gathers into and frees one tensor per parameter, not one per unit (2.25 to 9 MiB each
+    # for GPT-2 of width 768): under the fairscale backend's 16 MiB those fragment the heap. At 4
+    # MiB the larger ones get mappings of their own while a step's smaller tensors (its
+    # activations: 3 MiB each for the benchmark's GPT-2) come from the heap, reused from step to
+    # step rather than paged in anew; what outlives a step is a long-lived allocation
+    # (cpu/memory.py). Measured against 2 and 16 MiB in docs/benchmarks-backends.md.
+    cpu_mmap_threshold = 4 << 20
 
     @classmethod
     def check_options(cls, fsdp_config: Any, where: str) -> None:

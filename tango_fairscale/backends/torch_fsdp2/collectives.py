@@ -14,6 +14,7 @@ imports FSDP2.
 """
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,29 +22,41 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ...cpu.collectives import GlooCollectives, ring_compatible
+from ...cpu.memory import long_lived_allocations
 from ...cpu.timing import timed
 
 
-class GatherBuffer:
+class UnitBuffer:
     """
-    The one all-gather output buffer the FSDP2 units of a model on a CPU mesh share, reused from
-    one unit's all-gather to the next (a new one only when the size or dtype changes).
+    One buffer that the FSDP2 units of a model on a CPU mesh take turns with, for one purpose (the
+    all-gather outputs, or the reduce-scatter inputs): the next unit gets the same memory, and a
+    new buffer is allocated only when the size or dtype changes.
 
-    Why it is safe: FSDP2 reads a unit's all-gather output once, when it copies the gathered
-    shards out into the unit's parameters, and with FSDP2's implicit prefetching and synchronous
-    collectives (a ring on CPU) that copy-out always happens before the next all-gather is
-    allocated: in forward each unit gathers and copies out in its own pre-forward; in backward
-    a unit's pre-backward copies out its own (prefetched) gather before it prefetches the next.
-    FSDP2 keeps a finished output referenced a little longer only so that, on GPUs, the next
-    all-gather on another stream can overlap the copy-out; on CPU there is no such overlap.
+    Why it is safe: collectives on a CPU mesh are synchronous rings, and FSDP2 reads each of these
+    buffers only before the next unit asks for one.
 
-    Why: a fresh buffer per all-gather is a fresh memory mapping (hundreds of MiB per step for a
-    GPT-2, each page faulted in again), and FSDP2's deferred free keeps two alive in forward.
+    - All-gather outputs: FSDP2 reads one once, when it copies the gathered shards out into the
+      unit's parameters, and that copy-out always happens before the next all-gather is
+      allocated: in forward each unit gathers and copies out in its own pre-forward; in backward
+      a unit's pre-backward copies out its own (prefetched) gather before it prefetches the next.
+      FSDP2 keeps a finished output referenced a little longer only so that, on GPUs, the next
+      all-gather on another stream can overlap the copy-out; on CPU there is no such overlap.
+    - Reduce-scatter inputs: FSDP2 copies a unit's gradients in, the ring reduces them, and the
+      sum is in the (separate) output before the ring returns; FSDP2 keeps the input referenced
+      until the next unit's reduce-scatter only so that, on GPUs, its memory is not reused while
+      the collective's stream may still read it.
+
+    Why: a fresh buffer per collective is a fresh memory mapping (a unit's worth per unit and
+    per pass: gigabytes per step for a GPT-2), each page faulted in and zeroed again; and
+    FSDP2's deferred free keeps two alive at a time.
+
+    The buffer is a long-lived allocation (:func:`~tango_fairscale.cpu.memory.long_lived_allocations`):
+    it has its own mapping, out of the heap that a step's short-lived tensors reuse.
     """
 
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None
-        #: How many buffers it has allocated: one per change of size or dtype, not one per all-gather.
+        #: How many buffers it has allocated: one per change of size or dtype, not one per unit.
         self.allocations = 0
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,21 +66,33 @@ class GatherBuffer:
             self._buffer = None  # ours is let go before the next is taken
             # A normal tensor even when the first all-gather is a validation forward under
             # inference_mode: an inference tensor could not be written by a later training step.
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), long_lived_allocations():
                 buffer = self._buffer = torch.empty(numel, dtype=dtype, device=device)
             self.allocations += 1
         return buffer.view(*size)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds (0 when it holds no buffer)."""
+        return 0 if self._buffer is None else self._buffer.untyped_storage().nbytes()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) the current buffer."""
+        buffer = self._buffer
+        return (
+            buffer is not None and tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        )
+
     def release(self) -> None:
-        """Let go of the buffer (FSDP2 may still hold it until its next all-gather)."""
+        """Let go of the buffer (FSDP2 may still hold it until its next collective)."""
         self._buffer = None
 
 
 class RingAllGather(AllGather):
     """All-gather of FSDP2 units on CPU meshes: the gloo ring, synchronous (CPU has no streams)."""
 
-    def __init__(self, buffer: Optional[GatherBuffer] = None) -> None:
-        self.buffer = buffer if buffer is not None else GatherBuffer()
+    def __init__(self, buffer: Optional[UnitBuffer] = None) -> None:
+        self.buffer = buffer if buffer is not None else UnitBuffer()
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.buffer.allocate(size, dtype=dtype, device=device)
@@ -83,7 +108,7 @@ class RingAllGather(AllGather):
         pieces = list(output_tensor.chunk(world_size))
         if not ring_compatible(pieces, input_tensor, world_size):
             with timed("all_gather"):
-                # Synchronous, like the ring: the shared buffer relies on it (GatherBuffer).
+                # Synchronous, like the ring: the shared buffer relies on it (UnitBuffer).
                 dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
             return None
         GlooCollectives.all_gather(pieces, input_tensor, group=group)  # timed there
@@ -94,16 +119,36 @@ class RingReduceScatter(ReduceScatter):
     """
     Reduce-scatter of FSDP2 units' gradients on CPU meshes: the gloo ring for a sum or an
     average (a sum divided by the number of workers, as gloo's average is), gloo's own otherwise.
-    FSDP2's input is a scratch copy of the gradients, which the ring accumulates partial sums in;
-    once the ring is done its memory is freed. (FSDP2 keeps each input referenced until the next
-    unit's reduce-scatter so that on GPUs the memory is not reused while the collective's stream
-    may still read it; a synchronous ring on CPU has finished with it, and holding it would keep a
-    whole unit's gradients' worth of memory through the next unit's backward.) The output is a
-    fresh tensor: it becomes the unit's sharded gradients.
+
+    FSDP2 asks for two tensors per reduce-scatter, the input (a unit's gradients, copied in) and
+    then the output (the unit's new gradient shards, which live until the optimizer has used
+    them).
+
+    - The input: the nested units of a model take turns with one :class:`UnitBuffer`
+      (``inputs``). The root (``ends_backward``) reduces last in backward, its parameters
+      (embeddings, say) being the first in forward: its input is a tensor of its own, freed when
+      its ring returns, and then the shared buffer is let go, so that no gradient-sized buffer is
+      held through the optimizer step and the next forward. (A root reduced earlier lets go of a
+      buffer the units take again: only a fresh mapping is lost.) Without ``inputs`` every input
+      is a tensor of its own, freed when its ring returns.
+    - The output is a long-lived allocation (:func:`~tango_fairscale.cpu.memory.long_lived_allocations`).
     """
 
+    def __init__(self, inputs: Optional[UnitBuffer] = None, *, ends_backward: bool = False) -> None:
+        self.inputs = inputs
+        self.ends_backward = ends_backward
+        #: Whether the next allocation is an output (the input of the same reduce-scatter was given).
+        self._input_given = False
+
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        if not self._input_given:
+            self._input_given = True
+            if self.inputs is not None and not self.ends_backward:
+                return self.inputs.allocate(size, dtype=dtype, device=device)
+            return torch.empty(*size, dtype=dtype, device=device)
+        self._input_given = False
+        with long_lived_allocations():
+            return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -113,6 +158,14 @@ class RingReduceScatter(ReduceScatter):
         op: Any = dist.ReduceOp.SUM,
         async_op: bool = False,
     ) -> Optional[dist.Work]:
+        self._input_given = False
+        if self.inputs is not None and self.inputs.holds(output_tensor):
+            # FSDP2 (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce) asks
+            # for the input first: an output in the shared buffer would be overwritten.
+            raise RuntimeError(
+                "FSDP2 asked for a reduce-scatter's output before its input: this torch "
+                f"({torch.__version__}) is not one the torch backend's CPU collectives know."
+            )
         world_size = dist.get_world_size(group)
         pieces = list(input_tensor.chunk(world_size))
         average = op == dist.ReduceOp.AVG
@@ -125,14 +178,27 @@ class RingReduceScatter(ReduceScatter):
                 GlooCollectives._reduce_scatter(output_tensor, pieces, dist.ReduceOp.SUM, group, False)
                 if average:
                     output_tensor.div_(world_size)
-        input_tensor.untyped_storage().resize_(0)
+        if self.inputs is None or not self.inputs.holds(input_tensor):
+            # Its own: freed now rather than when FSDP2 lets go of it, after the next unit's
+            # backward (a unit's gradients' worth of memory).
+            input_tensor.untyped_storage().resize_(0)
+        if self.ends_backward and self.inputs is not None:
+            self.inputs.release()
         return None
 
 
-def use_ring_collectives(module: Any, buffer: Optional[GatherBuffer] = None) -> None:
+@dataclass
+class UnitBuffers:
+    """The buffers the FSDP2 units of one model share: all-gather outputs, reduce-scatter inputs."""
+
+    gathers: UnitBuffer = field(default_factory=UnitBuffer)
+    scatters: UnitBuffer = field(default_factory=UnitBuffer)
+
+
+def use_ring_collectives(module: Any, buffers: UnitBuffers, *, root: bool) -> None:
     """
     Make an FSDP2 unit on a CPU mesh gather and reduce-scatter with the rings; the units of one
-    model share one ``buffer`` for their all-gathers (:class:`GatherBuffer`).
+    model share ``buffers`` (:class:`UnitBuffer`), ``root`` says whether this is the model's root.
     """
-    module.set_custom_all_gather(RingAllGather(buffer))
-    module.set_custom_reduce_scatter(RingReduceScatter())
+    module.set_custom_all_gather(RingAllGather(buffers.gathers))
+    module.set_custom_reduce_scatter(RingReduceScatter(buffers.scatters, ends_backward=root))

@@ -36,7 +36,7 @@ from ...config import FSDPConfig, parse_dtype
 from ...devices import worker_computes_on_cpu
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
 from ...wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
-from .collectives import GatherBuffer, use_ring_collectives
+from .collectives import UnitBuffers, use_ring_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def _shard(
     *,
     root: bool,
     name: str,
-    gather_buffer: GatherBuffer,
+    unit_buffers: UnitBuffers,
 ) -> None:
     kwargs = fully_shard_kwargs(config, on_cpu=mesh.device_type == "cpu", root=root)
     buffer_dtype = parse_dtype("buffer_dtype", config.buffer_dtype)
@@ -336,7 +336,7 @@ def _shard(
     fully_shard(module, mesh=mesh, **kwargs)
     if mesh.device_type == "cpu":
         # Gloo's own all_gather_into_tensor / reduce_scatter_tensor copy whole buffers on CPU.
-        use_ring_collectives(module, gather_buffer)
+        use_ring_collectives(module, unit_buffers, root=root)
     if config.clear_autocast_cache:
         # Registered after fully_shard's own hooks, so it runs after the unit has resharded.
         module.register_forward_hook(_clear_autocast_cache)
@@ -382,7 +382,7 @@ def shard_model(
         check_options(unit_config, where="with_wrapped_modules.fsdp_config")
     check_options(root_config, where="training_engine.fsdp_config")
     units = set(plan.fsdp_units)
-    gather_buffer = GatherBuffer()
+    unit_buffers = UnitBuffers()
     if plan.checkpointed:
         _disable_hf_kv_cache(model)
     with real_parameters():
@@ -398,10 +398,10 @@ def shard_model(
                 module = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
                 _replace_submodule(model, name, module)
             if name in units:
-                _shard(module, unit_config, mesh, root=False, name=name, gather_buffer=gather_buffer)
+                _shard(module, unit_config, mesh, root=False, name=name, unit_buffers=unit_buffers)
         if has_meta_parameters(model):
             materialize_module(model, _materialize_device(root_config, mesh), root=model, one_allocation=True)
-        _shard(model, root_config, mesh, root=True, name="", gather_buffer=gather_buffer)
+        _shard(model, root_config, mesh, root=True, name="", unit_buffers=unit_buffers)
     return model
 
 
