@@ -97,8 +97,8 @@ CONFIGS: Dict[str, Config] = {
     "fsdp2": Config("fairscale", {"backend": "torch", "init_on_meta": True}, {"fsdp_config": {}}),
     "fsdp2_eager_init": Config("fairscale", {"backend": "torch"}, {"fsdp_config": {}}),
     # The torch backend with another CPU mmap threshold than its own 4 MiB (tango_fairscale/cpu/memory.py,
-    # set through MALLOC_MMAP_THRESHOLD_, which the engine leaves alone): 2 MiB, what it shipped with
-    # before, and the fairscale backend's 16 MiB.
+    # set through MALLOC_MMAP_THRESHOLD_, which the engine leaves alone, long-lived allocations
+    # included): 2 MiB, what it shipped with before, and the fairscale backend's 16 MiB.
     "fsdp2_mmap2": Config(
         "fairscale",
         {"backend": "torch", "init_on_meta": True},

@@ -211,6 +211,19 @@ def test_a_reduce_scatter_output_in_the_shared_input_buffer_is_refused() -> None
     assert inputs.holds(first) and not inputs.holds(second)
     with pytest.raises(RuntimeError, match="asked for a reduce-scatter's output before its input"):
         scatter(output_tensor=first[:4], input_tensor=second, group=None)  # type: ignore[arg-type]
-    # The root's input is its own, and the next allocation is an input again.
+    # The call put the allocations back in step: the next one is an input again.
+    assert inputs.holds(scatter.allocate((8,), dtype=torch.float32, device=torch.device("cpu")))
+    # An allocation that fails leaves them in step: a failed input is asked for again as an
+    # input, a failed output is followed by an input.
+    fresh = RingReduceScatter(UnitBuffer())
+    with pytest.raises(RuntimeError):
+        fresh.allocate((-1,), dtype=torch.float32, device=torch.device("cpu"))
+    assert fresh.inputs is not None and fresh.inputs.holds(
+        fresh.allocate((8,), dtype=torch.float32, device=torch.device("cpu"))
+    )
+    with pytest.raises(RuntimeError):
+        fresh.allocate((-1,), dtype=torch.float32, device=torch.device("cpu"))
+    assert fresh.inputs.holds(fresh.allocate((8,), dtype=torch.float32, device=torch.device("cpu")))
+    # The root's input is its own.
     root = RingReduceScatter(inputs, ends_backward=True)
     assert not inputs.holds(root.allocate((8,), dtype=torch.float32, device=torch.device("cpu")))

@@ -81,6 +81,10 @@ with long_lived_allocations():
         allocate("nested")
     allocate("after nested")
 allocate("after both")
+with long_lived_allocations():
+    assert limit_cpu_heap_growth(32 << 20)  # recorded, applied when the block ends
+    allocate("threshold set inside")
+allocate("after it")
 assert limit_cpu_heap_growth(1 << 20)
 with long_lived_allocations():
     kept.append(torch.ones(1 << 18))  # 1 MiB: a mapping under the 1 MiB threshold, left alone
@@ -157,5 +161,7 @@ def test_long_lived_allocations_get_mappings_of_their_own(scripts: ConcurrentPro
         "nested": "mapping",
         "after nested": "mapping",  # still inside the outer one
         "after both": "heap",
+        "threshold set inside": "mapping",
+        "after it": "heap",
         "1 MiB threshold": "mapping",
     }

@@ -41,6 +41,10 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     global _applied_threshold
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
+    if _long_lived_depth > 0:
+        # Inside long_lived_allocations: applied when its block ends.
+        _applied_threshold = threshold
+        return True
     if not _set_mmap_threshold(threshold):
         return False
     _applied_threshold = threshold

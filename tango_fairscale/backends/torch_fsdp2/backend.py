@@ -36,7 +36,8 @@ class TorchBackend(Backend):
     # MiB the larger ones get mappings of their own while a step's smaller tensors (its
     # activations: 3 MiB each for the benchmark's GPT-2) come from the heap, reused from step to
     # step rather than paged in anew; what outlives a step is a long-lived allocation
-    # (cpu/memory.py). Measured against 2 and 16 MiB in docs/benchmarks-backends.md.
+    # (cpu/memory.py). Measured against 2 and 16 MiB in docs/benchmarks-backends.md (speed: set
+    # through MALLOC_MMAP_THRESHOLD_, long-lived allocations off; capacity: in the code, on).
     cpu_mmap_threshold = 4 << 20
 
     @classmethod

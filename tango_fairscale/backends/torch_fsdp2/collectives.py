@@ -131,7 +131,14 @@ class RingReduceScatter(ReduceScatter):
       held through the optimizer step and the next forward. (A root reduced earlier lets go of a
       buffer the units take again: only a fresh mapping is lost.) Without ``inputs`` every input
       is a tensor of its own, freed when its ring returns.
-    - The output is a long-lived allocation (:func:`~tango_fairscale.cpu.memory.long_lived_allocations`).
+    - The output is a long-lived allocation (:func:`~tango_fairscale.cpu.memory.long_lived_allocations`):
+      it becomes the gradient shards. (Where FSDP2 reduces in another dtype than the parameters',
+      or adds it to gradients already there, it casts or adds it into another tensor and frees
+      this one: a mapping allocated for nothing, not a wrong result.)
+
+    Where the root does not reduce-scatter (no trainable parameters of its own, or a shard group
+    of one worker, where FSDP2 copies instead of calling the collective), the shared input buffer
+    is kept through the optimizer step: memory, not a wrong result.
     """
 
     def __init__(self, inputs: Optional[UnitBuffer] = None, *, ends_backward: bool = False) -> None:
@@ -142,10 +149,13 @@ class RingReduceScatter(ReduceScatter):
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if not self._input_given:
-            self._input_given = True
             if self.inputs is not None and not self.ends_backward:
-                return self.inputs.allocate(size, dtype=dtype, device=device)
-            return torch.empty(*size, dtype=dtype, device=device)
+                given = self.inputs.allocate(size, dtype=dtype, device=device)
+            else:
+                given = torch.empty(*size, dtype=dtype, device=device)
+            self._input_given = True  # only once it was given: a failed allocation leaves no step
+            return given
+        # Before allocating: an output that cannot be allocated leaves the next call an input.
         self._input_given = False
         with long_lived_allocations():
             return torch.empty(*size, dtype=dtype, device=device)
@@ -163,8 +173,9 @@ class RingReduceScatter(ReduceScatter):
             # FSDP2 (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce) asks
             # for the input first: an output in the shared buffer would be overwritten.
             raise RuntimeError(
-                "FSDP2 asked for a reduce-scatter's output before its input: this torch "
-                f"({torch.__version__}) is not one the torch backend's CPU collectives know."
+                "FSDP2 asked for a reduce-scatter's output before its input (torch "
+                f"{torch.__version__}): the torch backend's CPU collectives expect FSDP2's "
+                "foreach_reduce to allocate the input first, then the output."
             )
         world_size = dist.get_world_size(group)
         pieces = list(input_tensor.chunk(world_size))
