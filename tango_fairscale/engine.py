@@ -287,7 +287,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
         checkpoint_dir = Path(checkpoint_dir).resolve()
-        with long_lived_allocations():  # the optimizer state, and the shards loaded in place
+        with long_lived_allocations():  # what it allocates (the optimizer state) lives for the run
             loaded = self.sharding.load(checkpoint_dir, self.model, self.optimizer)
         return self._restore_the_rest(checkpoint_dir, loaded)
 

@@ -41,11 +41,8 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     global _applied_threshold
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    if _long_lived_depth > 0:
-        # Inside long_lived_allocations: applied when its block ends.
-        _applied_threshold = threshold
-        return True
-    if not _set_mmap_threshold(threshold):
+    # Inside long_lived_allocations the threshold is recorded now and applied when its block ends.
+    if _long_lived_depth == 0 and not _set_mmap_threshold(threshold):
         return False
     _applied_threshold = threshold
     return True
@@ -74,13 +71,18 @@ def long_lived_allocations() -> Iterator[None]:
     Why: glibc's main heap only shrinks from its top, and ``RLIMIT_DATA`` (VmData) counts all of
     it. A long-lived tensor placed in it before training, beneath the space a step's activations
     and gathered parameters take, pushes that space up; in its own mapping it leaves the heap to
-    what a step allocates and frees, which the next step reuses. Measured: while the model is
-    built (``docs/capacity.md``), the fairscale backend went from 15 to 16 blocks on 2 workers and
-    from 27 to 29 on 4; the torch backend's gradient shards, shared buffers and optimizer state
-    with a 16 MiB threshold, from 14 to 15 blocks on 2 workers. Not the optimizer state its first step
-    allocates: placed in the holes a backward pass leaves, it costs nothing there, and as mappings
-    it raised the training peak by 6 MiB (torch backend, 2 workers, 16 blocks) and 17 MiB
-    (fairscale backend, 4 workers, 28 blocks) in single trials.
+    what a step allocates and frees, which the next step reuses. Measured:
+
+    - while the model is built (``docs/capacity.md``), the fairscale backend went from 15 to 16
+      blocks on 2 workers and from 27 to 29 on 4; loading a 124 M-parameter GPT-2 under
+      ``init_on_meta`` on it, VmData rose 0.97 x the weights above the runtime, 1.38 x with 16
+      MiB throughout (``docs/pretrained-memory.md``);
+    - the torch backend's gradient shards, shared buffers and optimizer state, with a 16 MiB
+      threshold: from 14 to 15 blocks on 2 workers.
+
+    Not the optimizer state its first step allocates: placed in the holes a backward pass leaves,
+    it costs nothing there, and as mappings it raised the training peak by 6 MiB (torch backend,
+    2 workers, 16 blocks) and 17 MiB (fairscale backend, 4 workers, 28 blocks) in single trials.
 
     ``mallopt`` is process-wide: an allocation another thread makes meanwhile is served the same
     way, which only moves it out of the heap. Nothing changes where :func:`limit_cpu_heap_growth`
