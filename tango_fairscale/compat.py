@@ -9,8 +9,8 @@ first checks the version of the library it patches and that every attribute it r
 there, and refuses with an error naming both otherwise:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
-  needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6) and
-  one warning filter.
+  needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
+  frozen and trainable parameters in one unit (F7) and one warning filter.
 - :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -49,6 +49,17 @@ F6. ``FullyShardedDataParallel.forward`` first casts the root's float32 inputs t
     ``compute_dtype`` (``cast_floats_to_right_precision`` knows only float16), so a bfloat16
     ``compute_dtype`` without AMP (the default on CPU workers) failed in the first layer with
     ``mat1 and mat2 must have the same dtype``. FairScale's own cast then finds nothing to do.
+F7. ``FlattenParamsWrapper`` in FairScale's FSDP module becomes
+    :class:`~tango_fairscale.backends.fairscale_fsdp.flat_groups.FlattenTrainableApart`, which
+    puts a unit's frozen and trainable parameters into two flat parameters instead of asserting
+    that they agree (FairScale's wrapper takes several groups and its FSDP handles each flat
+    parameter on its own; only the grouping was missing). Units whose parameters agree are
+    flattened exactly as before. FairScale frees a gathered parameter in the hook on its
+    gradient accumulator, which a frozen one lacks, so ``forward`` (after F6) also registers a
+    multi-grad hook on the unit's inputs that releases its frozen parameters once their gradients
+    are computed (PyTorch's FSDP1 did the same for frozen flat parameters), and
+    ``_wait_for_post_backward`` releases what is left (the root's) at the end of backward. LoRA
+    and partly frozen models train on the fairscale backend.
 T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for every step, to
     (a) add ``tango_fairscale`` to the modules Tango re-imports in its spawned workers
     (``tango.common.util.get_extra_imported_modules()``), so a plain ``import tango_fairscale``
@@ -288,6 +299,58 @@ def _install_root_input_cast() -> None:
         )
 
 
+# --- F7: frozen and trainable parameters in one unit ----------------------------------------------
+
+
+def _install_flat_groups() -> None:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel, fully_sharded_data_parallel
+    from fairscale.nn.misc import FlattenParamsWrapper
+
+    from .backends.fairscale_fsdp import flat_groups
+
+    _require_attributes(fully_sharded_data_parallel, ("FlattenParamsWrapper",), "F7")
+    _require_attributes(
+        FullyShardedDataParallel,
+        (
+            "forward",
+            "_wait_for_post_backward",
+            "_free_full_params",
+            "_free_fp16_param_shard",
+            "_use_fp32_param_shard",
+        ),
+        "F7",
+    )
+    current = fully_sharded_data_parallel.FlattenParamsWrapper
+    if current is not flat_groups.FlattenTrainableApart:
+        if current is not FlattenParamsWrapper:
+            raise IncompatibleVersionError(
+                f"F7: fairscale's FSDP module uses {current!r} as its FlattenParamsWrapper, not FairScale's "
+                "own: another package replaced it, and tango_fairscale will not replace it again."
+            )
+        fully_sharded_data_parallel.FlattenParamsWrapper = flat_groups.FlattenTrainableApart  # type: ignore[misc]
+    forward = FullyShardedDataParallel.forward
+    if getattr(forward, "__tango_fairscale_patch__", None) != "F7":
+
+        @functools.wraps(forward)
+        def forward_then_release_frozen(self: Any, *args: Any, **kwargs: Any) -> Any:
+            output = forward(self, *args, **kwargs)
+            flat_groups.release_frozen_after_backward(self, args, kwargs)
+            return output
+
+        forward_then_release_frozen.__tango_fairscale_patch__ = "F7"  # type: ignore[attr-defined]
+        FullyShardedDataParallel.forward = forward_then_release_frozen  # type: ignore[method-assign]
+    wait = FullyShardedDataParallel._wait_for_post_backward
+    if getattr(wait, "__tango_fairscale_patch__", None) != "F7":
+
+        @functools.wraps(wait)
+        def wait_then_release_frozen(self: Any) -> None:
+            wait(self)
+            flat_groups.release_all_frozen(self)
+
+        wait_then_release_frozen.__tango_fairscale_patch__ = "F7"  # type: ignore[attr-defined]
+        FullyShardedDataParallel._wait_for_post_backward = wait_then_release_frozen  # type: ignore[method-assign]
+
+
 # --- T1, T2: Tango's torch::train step and its workers ----------------------------------------------
 
 #: What the rebound step and worker functions call: the step's logic, plain code that
@@ -369,7 +432,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T4, F5, F6, W1, W2), once; ``import
+    Install the patches every process needs (T1-T4, F5-F7, W1, W2), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -383,6 +446,7 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
             check_version(distribution)
         _install_checkpoint_autocast()
         _install_root_input_cast()
+        _install_flat_groups()
         _wrap_train_step()
         _quiet_integration_search()
         _bound_spawn_grace()

@@ -33,7 +33,7 @@ from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine
 from .materialize import check_initialisable, parameters_on_meta
 from .options import EngineOptions, check_backend
-from .wrapping import WRAPPER_TYPE, check_list_option, deferred_wrapping, recorded_plan, require_parameters
+from .wrapping import WRAPPER_TYPE, check_list_option, require_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +226,12 @@ def check_model(
                 stacklevel=2,
             )
     try:
-        # The wrapper records its plan instead of wrapping (as for the torch backend's workers):
-        # the plan's checks run here, and nothing is wrapped in this process. Under init_on_meta,
-        # as the workers build it: a pretrained model is then built from its config and marked
-        # with its files' tensors (transformers' own from_pretrained refuses a meta device).
+        # The wrapper records its plan (a backend applies it in the workers): the plan's checks run
+        # here. Under init_on_meta, as the workers build it: a pretrained model is then built from
+        # its config and marked with its files' tensors (transformers' own from_pretrained refuses
+        # a meta device).
         building = parameters_on_meta() if init_on_meta else nullcontext()
-        with torch.device("meta"), deferred_wrapping(), building:
+        with torch.device("meta"), building:
             built = model.construct() if isinstance(model, Lazy) else model
     except ConfigurationError:
         raise
@@ -239,14 +239,6 @@ def check_model(
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
         return
     require_parameters(built)
-    plan, unit_config = recorded_plan(built)
-    if plan is not None and plan.fsdp and backend_class(backend).flattens_units:
-        root_config = engine_fsdp_config or FSDPConfig()
-        plan.check_uniform_requires_grad(
-            built,
-            units=(unit_config or FSDPConfig()).flatten_parameters,
-            root=root_config.flatten_parameters,
-        )
     if init_on_meta and isinstance(model, Lazy):
         check_init_on_meta(model)
 

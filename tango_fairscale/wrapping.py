@@ -1,27 +1,21 @@
 """
-Wrapping a model's submodules in FSDP units and/or activation checkpointing:
-:func:`with_wrapped_modules`, registered as the Model constructor
-``"fairscale::with_wrapped_modules"``.
+Which submodules of a model become FSDP units and which are checkpointed: the :class:`WrapPlan`,
+recorded on the model by :func:`with_wrapped_modules` (the Model constructor
+``"fairscale::with_wrapped_modules"``) and applied by the engine's backend in its ``build``
+(``Backend.build``): each backend owns its wrapping. Nothing here imports a backend.
 """
 
 import difflib
 import logging
 import re
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Pattern, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
-from fairscale.nn.checkpoint import checkpoint_wrapper
 from tango.integrations.torch import Model
 
 from .config import FSDPConfig
-from .devices import worker_device
 from .errors import WrapConfigurationError
-from .materialize import has_meta_parameters, materialize_module, real_parameters
 from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
@@ -29,29 +23,14 @@ logger = logging.getLogger(__name__)
 #: The registered name of :func:`with_wrapped_modules`.
 WRAPPER_TYPE = "fairscale::with_wrapped_modules"
 
-_deferral = threading.local()
-#: Attribute of a model on which a deferred :func:`with_wrapped_modules` leaves its plan.
+#: Attribute of a model on which :func:`with_wrapped_modules` leaves its :class:`WrapPlan`.
 _RECORDED_PLAN = "_tango_fairscale_wrap_plan"
 
 
-@contextmanager
-def deferred_wrapping() -> Iterator[None]:
-    """
-    Within this context (on this thread), :func:`with_wrapped_modules` selects its units but
-    wraps nothing: it leaves the :class:`WrapPlan` and its ``fsdp_config`` on the model for the
-    engine's backend to apply (:func:`recorded_plan`). The ``"torch"`` backend builds models so.
-    """
-    previous = getattr(_deferral, "active", False)
-    _deferral.active = True
-    try:
-        yield
-    finally:
-        _deferral.active = previous
-
-
-def recorded_plan(model: nn.Module) -> "Tuple[Optional[WrapPlan], Optional[FSDPConfig]]":
-    """The plan and unit ``fsdp_config`` a deferred :func:`with_wrapped_modules` left on ``model``."""
-    return getattr(model, _RECORDED_PLAN, (None, None))
+def recorded_plan(model: nn.Module) -> "Optional[WrapPlan]":
+    """The plan :func:`with_wrapped_modules` recorded on ``model``, ``None`` for a model it did not build."""
+    plan: Optional[WrapPlan] = getattr(model, _RECORDED_PLAN, None)
+    return plan
 
 
 def _unit_name(unit: str) -> str:
@@ -60,29 +39,6 @@ def _unit_name(unit: str) -> str:
 
 def _some(names: Sequence[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _parameter(model: nn.Module, path: str) -> nn.Parameter:
-    module_name, _, name = path.rpartition(".")
-    parameter: nn.Parameter = getattr(model.get_submodule(module_name) if module_name else model, name)
-    return parameter
-
-
-def refuse_mixed_requires_grad(unit: str, parameters: Iterable[Tuple[str, nn.Parameter]]) -> None:
-    """The error of :meth:`WrapPlan.check_uniform_requires_grad` for one unit's own ``(name, parameter)``s."""
-    groups: Dict[bool, List[str]] = {}
-    for name, parameter in parameters:
-        groups.setdefault(parameter.requires_grad, []).append(name)
-    if len(groups) < 2:
-        return
-    frozen, trainable = sorted(groups[False]), sorted(groups[True])
-    raise WrapConfigurationError(
-        f"with_wrapped_modules: {_unit_name(unit)} holds frozen parameters ({_some(frozen)}) and trainable "
-        f"ones ({_some(trainable)}); FairScale's FSDP flattens a unit's parameters into one tensor that is "
-        "all frozen or all trainable. Make the frozen modules units of their own (add them to "
-        "modules_to_wrap), set flatten_parameters: false in that unit's fsdp_config, or use "
-        'training_engine.backend: "torch".'
-    )
 
 
 def require_parameters(model: nn.Module, where: str = "The model") -> None:
@@ -235,7 +191,7 @@ def _outermost(names: Sequence[str]) -> List[str]:
     return [n for n in names if not any(n.startswith(other + ".") for other in names)]
 
 
-def _disable_hf_kv_cache(model: nn.Module) -> None:
+def disable_hf_kv_cache(model: nn.Module) -> None:
     """
     Hugging Face models keep a key/value cache object that each attention block appends to
     during forward. A checkpointed block runs its forward again in backward and would append
@@ -254,7 +210,7 @@ def _disable_hf_kv_cache(model: nn.Module) -> None:
             )
 
 
-def _replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child_name = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent.add_module(child_name, new)
@@ -276,6 +232,12 @@ class WrapPlan:
     fsdp: bool
     """Whether the selected submodules become FSDP units (an ``fsdp_config`` was given)."""
 
+    unit_config: Optional[FSDPConfig] = None
+    """The units' FSDP options (``with_wrapped_modules.fsdp_config``); ``None``: FairScale's defaults."""
+
+    offload_activations: bool = False
+    """Move the checkpointed modules' inputs to CPU memory until backward (fairscale backend only)."""
+
     @classmethod
     def build(
         cls,
@@ -286,13 +248,26 @@ class WrapPlan:
         min_num_params: Optional[int] = None,
         activation_checkpointing: bool = False,
         fsdp: bool = True,
+        unit_config: Optional[FSDPConfig] = None,
+        offload_activations: bool = False,
     ) -> "WrapPlan":
         """Select the submodules of ``model`` (see :func:`plan_wrapping`); ``model`` is not changed."""
         selected = plan_wrapping(
             model, modules_to_wrap, wrap_module_classes=wrap_module_classes, min_num_params=min_num_params
         )
         checkpointed = frozenset(_outermost(selected)) if activation_checkpointing else frozenset()
-        return cls(selected=tuple(selected), checkpointed=checkpointed, fsdp=fsdp)
+        return cls(
+            selected=tuple(selected),
+            checkpointed=checkpointed,
+            fsdp=fsdp,
+            unit_config=unit_config,
+            offload_activations=offload_activations,
+        )
+
+    @classmethod
+    def root_only(cls) -> "WrapPlan":
+        """The plan of a model :func:`with_wrapped_modules` did not build: one FSDP unit, the root."""
+        return cls(selected=(), checkpointed=frozenset(), fsdp=False)
 
     @property
     def fsdp_units(self) -> Tuple[str, ...]:
@@ -332,20 +307,6 @@ class WrapPlan:
                     "unit then holds it once)."
                 )
 
-    def check_uniform_requires_grad(self, model: nn.Module, *, units: bool, root: bool) -> None:
-        """
-        FairScale's FSDP flattens each unit's parameters into one tensor, which is trainable or frozen
-        as a whole: a unit (with ``units``; the root with ``root``) that holds both is refused, naming
-        them, before FairScale fails with an assertion in every worker.
-        """
-        by_unit: Dict[str, List[Tuple[str, nn.Parameter]]] = {}
-        for names in self._units_of_parameters(model).values():
-            path, unit = min(names.items())
-            by_unit.setdefault(unit, []).append((path, _parameter(model, path)))
-        for unit, parameters in sorted(by_unit.items()):
-            if root if unit == "" else units:
-                refuse_mixed_requires_grad(unit, parameters)
-
 
 @register_model_constructor(WRAPPER_TYPE)
 def with_wrapped_modules(
@@ -359,14 +320,19 @@ def with_wrapped_modules(
     offload_activations: bool = False,
 ) -> Model:
     """
-    Wrap submodules of ``model`` in FSDP units and/or activation checkpointing, in place.
+    Select submodules of ``model`` to become FSDP units and/or to be checkpointed, and record
+    that :class:`WrapPlan` on ``model`` (:func:`recorded_plan`); ``model`` itself is returned
+    unchanged. The :class:`~tango_fairscale.FairScaleTrainingEngine`'s backend applies the plan
+    when it builds the model (FairScale's units or FSDP2's ``fully_shard``, and each backend's
+    checkpoint wrapper), so the plan's checks run wherever the model is built, and the model
+    Tango builds in its main process for the final weights keeps the plain model's names.
 
     .. tip::
         Registered as a :class:`~tango.integrations.torch.Model` constructor under the name
         "fairscale::with_wrapped_modules".
 
-    Meant for the :class:`~tango_fairscale.FairScaleTrainingEngine`: each wrapped submodule
-    becomes its own FSDP unit, so only one unit's full parameters are gathered at a time.
+    Each wrapped submodule becomes its own FSDP unit, so only one unit's full parameters are
+    gathered at a time. Frozen and trainable parameters may share a unit on either backend.
 
     Overlapping selections are handled deliberately: when a module and one of its descendants
     are both selected, both become FSDP units (the descendant nested inside the parent's unit),
@@ -379,12 +345,10 @@ def with_wrapped_modules(
         (e.g. ``"transformer\\\\.h\\\\.[0-9]+"``). Each must match at least one submodule.
     :param fsdp_config:
         The FSDP options of the wrapped units. If not given, submodules are not wrapped in FSDP
-        (checkpointing only). FSDP wrapping happens only inside a process group (i.e. in the
-        training workers); the model built in the main process for the final weights gets
-        checkpointing only, and keeps the plain model's parameter names.
+        (checkpointing only; the root is still one FSDP unit under the engine).
     :param activation_checkpointing:
         Recompute the wrapped submodules' activations in the backward pass instead of storing
-        them (FairScale's :func:`~fairscale.nn.checkpoint.checkpoint_wrapper`). For Hugging
+        them (the backend's checkpoint wrapper: FairScale's or torch's). For Hugging
         Face models this also sets ``config.use_cache = False``, as their own gradient
         checkpointing does: a recomputed block would otherwise add to the key/value cache twice.
     :param wrap_module_classes:
@@ -415,48 +379,21 @@ def with_wrapped_modules(
         min_num_params=min_num_params,
         activation_checkpointing=activation_checkpointing,
         fsdp=fsdp_config is not None,
+        unit_config=fsdp_config,
+        offload_activations=offload_activations,
     )
     if plan.fsdp:
         plan.check_shared_parameters(model)
-    if getattr(_deferral, "active", False):
-        if plan.checkpointed:
-            _disable_hf_kv_cache(model)
-        # Not a submodule or parameter: plain attribute, invisible to state dicts.
-        object.__setattr__(model, _RECORDED_PLAN, (plan, fsdp_config))
-        return model
-    # The model Tango builds in the main process for the final weights has no process group:
-    # it gets checkpointing only, and keeps the plain model's parameter names.
-    use_fsdp = plan.fsdp and dist.is_available() and dist.is_initialized()
-    if use_fsdp:
-        assert fsdp_config is not None
-        plan.check_uniform_requires_grad(model, units=fsdp_config.flatten_parameters, root=False)
-    selected, to_checkpoint = plan.selected, plan.checkpointed
-    if to_checkpoint:
-        _disable_hf_kv_cache(model)
-
-    # FairScale expects offloaded parameters to start on the CPU.
-    offload = fsdp_config is not None and fsdp_config.move_params_to_cpu
-    device = torch.device("cpu") if offload or not use_fsdp else worker_device()
-    # Deepest first, so that a parent is wrapped after (and around) its wrapped children.
-    # Parameters built on meta (the engine's init_on_meta) are allocated one unit at a time,
-    # right before the unit is sharded.
-    with real_parameters():
-        for name in selected:
-            module = model.get_submodule(name)
-            if use_fsdp and has_meta_parameters(module):
-                assert fsdp_config is not None
-                materialize_module(module, device, root=model, one_allocation=fsdp_config.flatten_parameters)
-            if name in to_checkpoint:
-                module = checkpoint_wrapper(module, offload_to_cpu=offload_activations)
-            if use_fsdp:
-                assert fsdp_config is not None
-                module = fsdp_config.wrap(module)
-            _replace_submodule(model, name, module)
-
+    if plan.checkpointed:
+        disable_hf_kv_cache(model)
+    # A plain attribute, not a submodule or parameter: invisible to state dicts. The engine's
+    # backend applies the plan in its build; the model Tango builds in the main process for the
+    # final weights stays the plain model, with its parameter names.
+    object.__setattr__(model, _RECORDED_PLAN, plan)
     logger.debug(
-        "Wrapped %d submodule(s)%s%s",
-        len(selected),
-        " in FSDP" if use_fsdp else "",
-        f", {len(to_checkpoint)} checkpointed" if to_checkpoint else "",
+        "Recorded a wrap plan of %d submodule(s)%s%s",
+        len(plan.selected),
+        " as FSDP units" if plan.fsdp else "",
+        f", {len(plan.checkpointed)} checkpointed" if plan.checkpointed else "",
     )
     return model

@@ -107,7 +107,7 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     mesh = init_device_mesh("cpu", (world_size,))
-    shard_model(model, WrapPlan.build(model, ["0"]), FSDPConfig(), FSDPConfig(), mesh)
+    shard_model(model, WrapPlan.build(model, ["0"]), FSDPConfig(), mesh)
     units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
     assert len(units) == 2
     for unit in units:
@@ -145,7 +145,7 @@ def _check_fsdp2_buffers(rank: int, world_size: int, port: int) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), *blocks, torch.nn.Linear(8, 1))
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world_size,))
-    shard_model(model, WrapPlan.build(model, ["1", "2", "3", "4"]), FSDPConfig(), FSDPConfig(), mesh)
+    shard_model(model, WrapPlan.build(model, ["1", "2", "3", "4"]), FSDPConfig(), mesh)
     units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
     assert units[0] is model  # the root, then the blocks
     gathers, scatters, record = UnitBuffer(), UnitBuffer(), []

@@ -30,7 +30,7 @@ def _worker(rank: int, port: int, out_dir: str, close: str, backend: str) -> Non
     model = ToyRegressor(in_features=8, width=16, num_blocks=3)
     if backend == "torch":
         plan = WrapPlan.build(model, modules_to_wrap=["blocks\\.[0-9]+"])
-        shard_model(model, plan, FSDPConfig(), FSDPConfig(), make_mesh(2))
+        shard_model(model, plan, FSDPConfig(), make_mesh(2))
     else:
         from tango_fairscale import compat
 

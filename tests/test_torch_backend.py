@@ -139,7 +139,7 @@ def _train_worker(rank: int, world_size: int, port: int, out: str) -> None:
     results: Dict[str, Any] = {}
     for variant in VARIANTS:
         model = _model()
-        shard_model(model, _plan(model, variant), FSDPConfig(), FSDPConfig(), mesh)
+        shard_model(model, _plan(model, variant), FSDPConfig(), mesh)
         optimizer = _optimizer(model)
         norms = _train_steps(
             model, optimizer, range(STEPS), rank, world_size, accumulate=variant == "accumulate"
@@ -166,7 +166,7 @@ def _train_worker(rank: int, world_size: int, port: int, out: str) -> None:
     torch.manual_seed(5)
     with parameters_on_meta():
         model = ToyRegressor(in_features=8, width=30, num_blocks=3)
-    shard_model(model, _plan(model, "nested"), FSDPConfig(), FSDPConfig(), mesh)
+    shard_model(model, _plan(model, "nested"), FSDPConfig(), mesh)
     results["meta_sharded"] = {n: str(p.device) for n, p in model.named_parameters()}
     results["meta_initial"] = full_state_dict(model)
     optimizer = _optimizer(model)
@@ -175,7 +175,7 @@ def _train_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
     # float16 loss scaling: an overflow in one worker's shard only must make every worker skip.
     model = _model()
-    shard_model(model, _plan(model, "nested"), FSDPConfig(), FSDPConfig(), mesh)
+    shard_model(model, _plan(model, "nested"), FSDPConfig(), mesh)
     optimizer = _optimizer(model)
     scaler = make_grad_scaler(torch.float16, "cpu")
     assert scaler is not None
@@ -202,7 +202,7 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
     out_dir = Path(out)
     mesh = make_mesh(world_size, hosts=hosts)
     model = _model(seed=99)  # other values than the saved ones
-    shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), mesh)
+    shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), mesh)
     optimizer = _optimizer(model)
     extras = load_sharded(out_dir / "checkpoint", model, optimizer)
     results: Dict[str, Any] = {
@@ -240,7 +240,7 @@ def _load_worker(rank: int, world_size: int, port: int, out: str, hosts: int) ->
             )
         dist.barrier()
         model = _model(seed=7)
-        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), mesh)
+        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), mesh)
         optimizer = _optimizer(model)
         results["reloaded_extras"] = load_sharded(part, model, optimizer)
         results["reloaded"] = full_state_dict(model)
@@ -330,8 +330,8 @@ def _sharded(mesh: Any, unit: Dict[str, Any], root: Dict[str, Any]) -> _WithBuff
     model = _WithBuffers()
     check_options(FSDPConfig(**unit))
     check_options(FSDPConfig(**root))
-    plan = WrapPlan.build(model, ["block"])
-    return shard_model(model, plan, FSDPConfig(**unit), FSDPConfig(**root), mesh)  # type: ignore[return-value]
+    plan = WrapPlan.build(model, ["block"], unit_config=FSDPConfig(**unit))
+    return shard_model(model, plan, FSDPConfig(**root), mesh)  # type: ignore[return-value]
 
 
 def _state(module: nn.Module) -> Any:
@@ -693,7 +693,7 @@ def test_tampered_checkpoint_is_refused(trained: Path, tmp_path: Path) -> None:
 def _copies_worker(rank: int, world_size: int, port: int, out: str) -> None:
     _init(rank, world_size, port)
     model = _model()
-    shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), make_mesh(world_size))
+    shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), make_mesh(world_size))
     try:
         load_sharded(Path(out) / f"copy{rank}", model, _optimizer(model))
         outcome = "loaded"
@@ -819,7 +819,7 @@ def _other_blocks_worker(rank: int, world_size: int, port: int, out: str) -> Non
     for blocks in (2, 4):
         torch.manual_seed(0)
         model = ToyRegressor(in_features=8, width=30, num_blocks=blocks)
-        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), FSDPConfig(), make_mesh(world_size))
+        shard_model(model, _plan(model, "nested_ckpt"), FSDPConfig(), make_mesh(world_size))
         try:
             load_sharded(Path(out) / "checkpoint", model, _optimizer(model))
             outcomes[blocks] = "loaded"

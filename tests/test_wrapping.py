@@ -11,7 +11,9 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import FSDPConfig, WrapPlan, compat, plan_wrapping, with_wrapped_modules
+from tango_fairscale import FSDPConfig, WrapPlan, compat, consolidation, plan_wrapping, with_wrapped_modules
+from tango_fairscale.backends.fairscale_fsdp.backend import apply_wrap_plan
+from tango_fairscale.wrapping import recorded_plan
 from tests import harness
 from tests.helpers import (
     load_weights,
@@ -33,25 +35,41 @@ def batch() -> Dict[str, torch.Tensor]:
     return {"x": torch.randn(5, 4, generator=generator), "y": torch.randn(5, generator=generator)}
 
 
-def test_from_config_without_process_group_applies_checkpointing_only() -> None:
+def test_the_wrapper_records_its_plan_and_leaves_the_model_plain() -> None:
     model = Model.from_params(
         Params(
             {
                 "type": "fairscale::with_wrapped_modules",
                 "model": {"type": "toy::regressor", "in_features": 4, "width": 8, "num_blocks": 3},
                 "modules_to_wrap": ["blocks\\.[0-9]+", "head"],
-                "fsdp_config": {"reshard_after_forward": True},
+                "fsdp_config": {"reshard_after_forward": False},
                 "activation_checkpointing": True,
             }
         )
     )
+    # Nothing is wrapped where the model is built (the main process's final model keeps the plain
+    # names): the plan waits on the model for the engine's backend.
     assert not any(isinstance(m, FSDP) for m in model.modules())
-    # Keys stay those of the plain model.
     assert set(model.state_dict()) == set(toy().state_dict())
+    plan = recorded_plan(model)
+    assert plan is not None
+    assert plan.selected == ("blocks.0", "blocks.1", "blocks.2", "head")
+    assert plan.checkpointed == frozenset(plan.selected)
+    assert plan.unit_config == FSDPConfig(reshard_after_forward=False)
+    assert recorded_plan(toy()) is None
+
+
+def _checkpointed(model: ToyRegressor, modules: set) -> ToyRegressor:
+    """``model`` with the fairscale backend's checkpoint wrapping of ``modules`` applied (no units)."""
+    wrapped = with_wrapped_modules(model, modules, activation_checkpointing=True)
+    plan = recorded_plan(wrapped)
+    assert plan is not None and not plan.fsdp
+    apply_wrap_plan(wrapped, plan, torch.device("cpu"))
+    return wrapped
 
 
 def test_checkpointing_keeps_outputs_and_gradients() -> None:
-    plain, wrapped = toy(), with_wrapped_modules(toy(), {"blocks\\.[0-9]+"}, activation_checkpointing=True)
+    plain, wrapped = toy(), _checkpointed(toy(), {"blocks\\.[0-9]+"})
     losses = []
     for model in (plain, wrapped):
         loss = model(**batch())["loss"]
@@ -71,7 +89,7 @@ def test_no_false_gradients_warning(silenced: bool) -> None:
         warnings.simplefilter("always")
         if silenced:
             compat.silence_internal_warnings()
-        model = with_wrapped_modules(toy(), {"input"}, activation_checkpointing=True)
+        model = _checkpointed(toy(), {"input"})
         model(**batch())["loss"].backward()
     false_warnings = [w for w in caught if "Gradients will be None" in str(w.message)]
     assert len(false_warnings) == (0 if silenced else 1)
@@ -173,25 +191,105 @@ def test_a_tie_split_across_units_is_refused_naming_it() -> None:
     assert "\n" not in message
     # Both uses in one unit (here: the root), or a unit around both: kept tied, accepted.
     WrapPlan.build(model, ["blocks\\.[0-9]+"]).check_shared_parameters(model)
-    # The refusal comes from the wrapper too, whichever the backend (it runs before deferral).
+    # The refusal comes from the wrapper too, whichever the backend (it runs before any backend does).
     with pytest.raises(ConfigurationError, match="would be split across FSDP units"):
         with_wrapped_modules(_TiedLM(), {"embed"}, fsdp_config=FSDPConfig())
 
 
-def test_frozen_and_trainable_parameters_in_one_flat_unit_are_refused() -> None:
-    model = _TiedLM()
-    model.blocks[0].weight.requires_grad_(False)
-    with_frozen_block = WrapPlan.build(model, ["blocks"])
-    with pytest.raises(ConfigurationError) as error:
-        with_frozen_block.check_uniform_requires_grad(model, units=True, root=True)
-    message = str(error.value)
-    assert "FSDP unit 'blocks' holds frozen parameters (blocks.0.weight)" in message
-    assert "trainable ones (blocks.0.bias, blocks.1.bias, blocks.1.weight)" in message
-    assert "flatten_parameters: false" in message and "\n" not in message
-    # Without flat parameters, or with the frozen layer a unit of its own, it is accepted.
-    with_frozen_block.check_uniform_requires_grad(model, units=False, root=True)
-    model.blocks[0].bias.requires_grad_(False)
-    WrapPlan.build(model, ["blocks\\.[0-9]+"]).check_uniform_requires_grad(model, units=True, root=True)
+def test_a_mixed_group_is_split_into_trainable_and_frozen_flat_parameters() -> None:
+    from tango_fairscale.backends.fairscale_fsdp.flat_groups import split_by_requires_grad
+
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    layers[0].requires_grad_(False)
+    a_weight, a_bias, b_weight, b_bias = (p for layer in layers for p in layer.parameters())
+    assert split_by_requires_grad([a_weight, b_weight, a_bias, b_bias]) == [
+        [b_weight, b_bias],
+        [a_weight, a_bias],
+    ]
+    # Groups that agree stay as they are (the same flat parameter as before, so the same checkpoints).
+    assert split_by_requires_grad([[b_weight, b_bias], [a_weight]]) == [[b_weight, b_bias], [a_weight]]
+    assert split_by_requires_grad([[]]) == [[]]
+
+
+def _partly_frozen(
+    engine: str, modules_to_wrap: Optional[List[str]], engine_extra: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """The toy regressor with its input layer and its middle block frozen, checkpoints kept."""
+    model = {
+        "type": "test::partly_frozen_regressor",
+        "in_features": 8,
+        "width": 32,
+        "num_blocks": 4,
+        "frozen": ["input", "blocks.1"],
+    }
+    config = train_config(
+        engine=engine,
+        wrap="nested" if modules_to_wrap else "none",
+        model=model,
+        callbacks=[],
+        engine_extra=engine_extra,
+    )
+    if modules_to_wrap:
+        config["steps"]["train"]["model"]["modules_to_wrap"] = modules_to_wrap
+    config["steps"]["train"]["remove_stale_checkpoints"] = False
+    return config
+
+
+#: The partly frozen regressor's frozen parameters under :func:`_partly_frozen`'s wrappings.
+FROZEN = ("input.weight", "input.bias", "blocks.1.linear.weight", "blocks.1.linear.bias")
+
+
+def _frozen_state(worker: harness.Worker, experiment: Dict[str, Any], root: Path) -> Dict[str, Any]:
+    """On each worker: 3 steps, then what holds a gradient and optimizer state, by parameter name."""
+    engine = worker.engine(experiment, root / f"engine{worker.rank}")
+    worker.train(engine, worker.batches(experiment), 3)
+    named = list(engine.model.named_parameters())
+    return {
+        "no_grad": sorted(name for name, p in named if p.grad is None),
+        "with_grad": sorted(name for name, p in named if p.grad is not None),
+        "frozen": sorted(name for name, p in named if not p.requires_grad),
+        "stateless_frozen": all(not engine.optimizer.state.get(p) for _, p in named if not p.requires_grad),
+        "stateful_trainable": all(engine.optimizer.state.get(p) for _, p in named if p.requires_grad),
+    }
+
+
+@pytest.mark.parametrize("init_on_meta", [False, True])
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_frozen_and_trainable_parameters_share_units_and_train_as_ddp(
+    tmp_path: Path, backend: str, init_on_meta: bool
+) -> None:
+    # One unit holds all the blocks, the middle one frozen; the root holds the frozen input layer
+    # beside the trainable head. FairScale refused both units ("flat parameter ... all frozen or
+    # all trainable"): LoRA's layers are the same case.
+    experiment = _partly_frozen("fairscale", ["blocks"], {"backend": backend, "init_on_meta": init_on_meta})
+    (state, trained) = harness.run(
+        [
+            harness.Call(_frozen_state, (experiment, tmp_path)),
+            harness.Train(experiment, tmp_path / "fsdp"),
+        ],
+        out=tmp_path / "h",
+    )
+    for worker in state.check().values:
+        # Frozen parameters hold no gradient and no optimizer state on any worker.
+        assert worker["frozen"] and worker["no_grad"] == worker["frozen"], worker
+        assert worker["stateless_frozen"] and worker["stateful_trainable"], worker
+    trained.check()
+    weights = torch.load(tmp_path / "fsdp" / "weights.pt", weights_only=True)
+    step6 = consolidation.consolidate(tmp_path / "fsdp" / "checkpoint_state_step6")
+    for name in FROZEN:
+        assert torch.equal(step6[name], weights[name]), name
+    assert all(not torch.equal(step6[name], weights[name]) for name in weights if name not in FROZEN)
+    if init_on_meta:
+        return  # initialised on meta: other random values than DDP's eager build (same distributions)
+    ddp_dir = tmp_path / "ddp"
+    harness.train(_partly_frozen("torch", None), ddp_dir)
+    ddp = torch.load(ddp_dir / "weights.pt", weights_only=True)
+    for name in FROZEN:
+        # Bit-identical from the start (DDP's weights: same seed, same build) to the end.
+        assert torch.equal(weights[name], ddp[name]), name
+    difference = max_abs_difference(weights, ddp)
+    print(f"[{backend}] max |weights.pt - DDP| = {difference:.3e}")
+    assert difference <= 1e-5
 
 
 # --- Through `tango run`: a split tie and frozen parameters in a flat unit ------------------------------
@@ -221,67 +319,87 @@ def test_a_tied_embedding_as_its_own_unit_is_one_line_through_tango_run(tmp_path
     assert "[rank " not in output  # pre-flight: no worker started
 
 
-def _partly_frozen(engine: str, modules_to_wrap: Optional[List[str]]) -> Dict[str, Any]:
-    """The toy regressor with its input layer and its middle block frozen, checkpoints kept."""
-    model = {
-        "type": "test::partly_frozen_regressor",
-        "in_features": 8,
-        "width": 32,
-        "num_blocks": 4,
-        "frozen": ["input", "blocks.1"],
-    }
-    config = train_config(
-        engine=engine, wrap="nested" if modules_to_wrap else "none", model=model, callbacks=[]
-    )
-    if modules_to_wrap:
-        config["steps"]["train"]["model"]["modules_to_wrap"] = modules_to_wrap
-    config["steps"]["train"]["remove_stale_checkpoints"] = False
-    return config
-
-
-FROZEN = ("input.weight", "input.bias", "blocks.1.linear.weight", "blocks.1.linear.bias")
-
-
 @pytest.mark.slow
 @pytest.mark.extended
 def test_frozen_input_layer_and_middle_block_under_per_block_units_through_tango_run(tmp_path: Path) -> None:
-    # FairScale flattens each unit's parameters into one, which must be all frozen or all trainable:
-    # every worker died in FairScale's `expects all parameters to have same requires_grad` (76 lines).
     # Per-block units: the frozen middle block is a unit of its own, the frozen input layer is in
-    # the root unit with the trainable head. Refused before any worker starts, in one line.
-    result = run_tango(
-        _partly_frozen("fairscale", ["blocks\\.[0-9]+"]), tmp_path / "ws", cwd=tmp_path / "cwd", check=False
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-4000:]
-    error = one_line_error(output)
-    print(f"per-block units, exit {result.returncode}: {error}")
-    assert error.startswith("WrapConfigurationError: ")
-    assert "root FSDP unit holds frozen parameters (input.bias, input.weight)" in error, error
-    assert "trainable ones (head.bias, head.weight)" in error and "flatten_parameters: false" in error, error
-    assert "[rank " not in output  # pre-flight: no worker started
-
-    # The fix the line names first, the frozen input layer a unit of its own, trains: frozen
-    # parameters bit-identical from checkpoint to checkpoint, the rest equal to DDP's.
-    fixed = _partly_frozen("fairscale", ["input", "blocks\\.[0-9]+"])
-    run_tango(fixed, tmp_path / "ws_fixed", cwd=tmp_path / "cwd_fixed")
-    work_dir = train_work_dir(tmp_path / "ws_fixed")
-    from tango_fairscale import consolidation
-
+    # the root unit with the trainable head. Refused before frozen and trainable parameters could
+    # share a unit; trains now, through the CLI, as DDP does.
+    run_tango(_partly_frozen("fairscale", ["blocks\\.[0-9]+"]), tmp_path / "ws", cwd=tmp_path / "cwd")
+    work_dir = train_work_dir(tmp_path / "ws")
     step6 = consolidation.consolidate(work_dir / "checkpoint_state_step6")
-    step12 = consolidation.consolidate(work_dir / "checkpoint_state_step12")
     ddp_dir = tmp_path / "ddp"
     harness.train(_partly_frozen("torch", None), ddp_dir)
     ddp = torch.load(ddp_dir / "weights.pt", weights_only=True)
-    weights = load_weights(tmp_path / "ws_fixed")
+    weights = load_weights(tmp_path / "ws")
     for name in FROZEN:
-        assert torch.equal(step6[name], step12[name]) and torch.equal(step12[name], weights[name]), name
-        assert torch.equal(weights[name], ddp[name]), name
-    trained = [name for name in weights if name not in FROZEN]
-    assert all(not torch.equal(step6[name], step12[name]) for name in trained)
+        assert torch.equal(step6[name], weights[name]) and torch.equal(weights[name], ddp[name]), name
     difference = max_abs_difference(weights, ddp)
-    print(
-        "input layer as its own unit: frozen parameters bit-identical; "
-        f"max |weights.pt - DDP| = {difference:.3e}"
-    )
+    print(f"per-block units through tango run: max |weights.pt - DDP| = {difference:.3e}")
     assert difference <= 1e-5
+
+
+class _LoraLike(nn.Module):
+    """A frozen linear layer with a trainable low-rank adapter beside it, as LoRA's layers are."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(width, 2, bias=False)
+        self.up = nn.Linear(2, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.base(x) + self.up(self.down(x)))
+
+
+def _gathered(unit: Any) -> List[str]:
+    """The frozen flat parameters of ``unit`` whose gathered copy is allocated."""
+    return [
+        f"{id(unit)}:{index}"
+        for index, p in enumerate(unit.params)
+        if not p.requires_grad and p._full_param_padded.untyped_storage().size() > 0
+    ]
+
+
+def _check_frozen_release(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from tango_fairscale.teardown import close_process_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    compat.enable_cpu_fsdp()
+    torch.manual_seed(0)
+    width = 16
+    model = nn.Sequential(nn.Embedding(10, width), _LoraLike(width), _LoraLike(width), _LoraLike(width))
+    model[0].requires_grad_(False)  # the root unit: a frozen embedding
+    units = [FSDPConfig().wrap(model[index]) for index in (1, 2, 3)]
+    for index, unit in zip((1, 2, 3), units):
+        model[index] = unit
+    root = FSDPConfig().wrap(model)
+    # When block 2's input gradient is computed, block 3's backward is over: its frozen half must be
+    # released by then, one unit at a time, not at the end of backward.
+    during: List[List[str]] = []
+
+    def watch_input(module: nn.Module, args: Any) -> None:
+        args[0].register_hook(lambda grad: during.append(_gathered(units[2])))
+
+    units[1].register_forward_pre_hook(watch_input)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    for step in range(2):
+        root(tokens).pow(2).mean().backward()
+        assert during[step] == [], (step, during)
+        # After backward nothing frozen stays gathered: not the root's embedding, not a unit's base;
+        # frozen parameters are their FP32 shards again, without gradients.
+        assert _gathered(root) == [] and all(_gathered(unit) == [] for unit in units), step
+        for unit in [root, *units]:
+            for p in unit.params:
+                if not p.requires_grad:
+                    assert p.grad is None and p.data.numel() == p._fp32_shard.numel(), step
+    close_process_groups()
+
+
+def test_frozen_halves_of_units_are_released_one_unit_at_a_time_in_backward() -> None:
+    from tests.helpers import free_port
+
+    harness.spawn(_check_frozen_release, args=(free_port(),), nprocs=2)

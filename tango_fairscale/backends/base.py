@@ -93,9 +93,6 @@ class Backend(ABC):
     name: ClassVar[str]
     #: Whether ``hybrid_sharding`` (shards within a host, replicas across hosts) is possible.
     supports_hybrid_sharding: ClassVar[bool] = False
-    #: Whether a unit's parameters become one flat tensor (with ``flatten_parameters``), which is
-    #: frozen or trainable as a whole.
-    flattens_units: ClassVar[bool] = False
     #: On CPU workers, allocations of this many bytes or more get their own memory mappings
     #: (:func:`~tango_fairscale.cpu.memory.limit_cpu_heap_growth`): the size of the buffers this
     #: backend allocates and frees every step, below which they fragment the heap.

@@ -12,19 +12,20 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional,
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.optim.grad_scaler import ShardedGradScaler
 from tango.common import Lazy, Tqdm
-from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from ... import checkpointing, multihost
 from ...checkpointing.commit import Digests, commit
 from ...checkpointing.formats import check_written_by, holds_worker_files
 from ...checkpointing.streaming import stream_save
-from ...devices import worker_computes_on_cpu
-from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta
-from ...wrapping import refuse_mixed_requires_grad, require_parameters
+from ...config import FSDPConfig
+from ...devices import worker_computes_on_cpu, worker_device
+from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
+from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource
 from .resharding import (
     ConsolidatedModel,
@@ -49,7 +50,6 @@ class FairScaleBackend(Backend):
 
     name = "fairscale"
     supports_hybrid_sharding = False
-    flattens_units = True
 
     #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
     module_aliases: List[Any] = []
@@ -57,31 +57,31 @@ class FairScaleBackend(Backend):
     # --- training --------------------------------------------------------------------------------
 
     def build(self, model: Union[Model, Lazy[Model]]) -> nn.Module:
+        """Build the model (on ``meta`` with ``init_on_meta``), apply its wrap plan, wrap the root."""
         context = self.context
         if isinstance(model, Lazy):
             with parameters_on_meta() if context.init_on_meta else nullcontext():
                 model = model.construct()
         require_parameters(model)
-        if has_meta_parameters(model):
-            # What with_wrapped_modules did not already allocate unit by unit: the root's own.
-            # FairScale expects offloaded parameters to start on the CPU.
-            device = (
-                torch.device("cpu")
-                if context.fsdp_config.move_params_to_cpu
-                else context.train_config.worker_local_default_device
-            )
-            materialize_module(
-                model, device, root=model, one_allocation=context.fsdp_config.flatten_parameters
-            )
-        if not worker_computes_on_cpu() and not context.fsdp_config.move_params_to_cpu:
+        plan = recorded_plan(model) or WrapPlan.root_only()
+        root_config = context.fsdp_config
+        # FairScale expects offloaded parameters to start on the CPU.
+        root_device = (
+            torch.device("cpu")
+            if root_config.move_params_to_cpu
+            else context.train_config.worker_local_default_device
+        )
+        with real_parameters():
+            apply_wrap_plan(model, plan, worker_device())
+            if has_meta_parameters(model):
+                # The root's own parameters: those the plan's units did not take.
+                materialize_module(
+                    model, root_device, root=model, one_allocation=root_config.flatten_parameters
+                )
+        if not worker_computes_on_cpu() and not root_config.move_params_to_cpu:
             model.to(context.train_config.worker_local_default_device)
         self.module_aliases = module_aliases(model)
-        if context.fsdp_config.flatten_parameters:
-            # The root unit's own parameters: those with_wrapped_modules left outside its units.
-            refuse_mixed_requires_grad(
-                "", ((n, p) for n, p in model.named_parameters() if "_fsdp_wrapped_module" not in n)
-            )
-        return context.fsdp_config.wrap(model)
+        return root_config.wrap(model)
 
     def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
@@ -332,11 +332,33 @@ def _check_same_optimizer(
         )
 
 
-def refuse_fairscale_units(model: nn.Module, backend: str) -> None:
-    """A model with FairScale FSDP units already in it cannot be sharded by another backend."""
-    if any(isinstance(module, FSDP) for module in model.modules()):
-        raise ConfigurationError(
-            f'training_engine.backend: "{backend}" got a model with FairScale FSDP units already in it: pass '
-            "the model to the engine unconstructed (as a config does), so that with_wrapped_modules "
-            'leaves its units to the torch backend, or use backend: "fairscale".'
-        )
+def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> None:
+    """
+    Apply ``plan`` to ``model`` in place with FairScale: each selected module, deepest first (so
+    that a parent is wrapped after, and around, its wrapped children), is allocated if its
+    parameters are on ``meta`` (``init_on_meta``: one unit at a time, right before it is sharded),
+    checkpointed with FairScale's :func:`checkpoint_wrapper` if the plan says so, and made an FSDP
+    unit with the plan's ``unit_config``. A unit may hold frozen and trainable parameters: they
+    become two flat parameters (patch F7), and the frozen one gets no gradient. Needs a process
+    group when the plan has FSDP units.
+    """
+    unit_config = plan.unit_config if plan.unit_config is not None else FSDPConfig()
+    # FairScale expects offloaded parameters to start on the CPU.
+    offload = plan.fsdp and unit_config.move_params_to_cpu
+    unit_device = torch.device("cpu") if offload or not plan.fsdp else device
+    units = set(plan.fsdp_units)
+    for name in plan.selected:
+        module = model.get_submodule(name)
+        if name in units and has_meta_parameters(module):
+            materialize_module(module, unit_device, root=model, one_allocation=unit_config.flatten_parameters)
+        if name in plan.checkpointed:
+            module = checkpoint_wrapper(module, offload_to_cpu=plan.offload_activations)
+        if name in units:
+            module = unit_config.wrap(module)
+        replace_submodule(model, name, module)
+    logger.debug(
+        "Wrapped %d submodule(s)%s%s",
+        len(plan.selected),
+        " in FSDP" if plan.fsdp else "",
+        f", {len(plan.checkpointed)} checkpointed" if plan.checkpointed else "",
+    )

@@ -18,9 +18,8 @@ from ... import checkpointing, multihost
 from ...checkpointing.formats import dcp_files_of_worker
 from ...checkpointing.streaming import stream_save
 from ...materialize import parameters_on_meta
-from ...wrapping import WrapPlan, deferred_wrapping, recorded_plan, require_parameters
+from ...wrapping import WrapPlan, recorded_plan, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource
-from ..fairscale_fsdp.backend import refuse_fairscale_units
 from . import checkpoint, sharding
 
 logger = logging.getLogger(__name__)
@@ -55,17 +54,15 @@ class TorchBackend(Backend):
     # --- training --------------------------------------------------------------------------------
 
     def build(self, model: Union[Model, Lazy[Model]]) -> nn.Module:
-        """Build the model with its wrap plan recorded, then shard it by the plan."""
+        """Build the model (on ``meta`` with ``init_on_meta``), then shard it by its wrap plan."""
         context = self.context
         if isinstance(model, Lazy):
-            with deferred_wrapping(), parameters_on_meta() if context.init_on_meta else nullcontext():
+            with parameters_on_meta() if context.init_on_meta else nullcontext():
                 model = model.construct()
         else:
-            refuse_fairscale_units(model, self.name)
+            refuse_sharded_model(model, self.name)
         require_parameters(model)
-        plan, unit_config = recorded_plan(model)
-        if plan is None:  # not built by with_wrapped_modules: FSDP on the root only
-            plan = WrapPlan(selected=(), checkpointed=frozenset(), fsdp=False)
+        plan = recorded_plan(model) or WrapPlan.root_only()
         # Hybrid sharding: a 2-D mesh, shards within each host, replicas across hosts.
         topology = context.topology
         hosts = topology.num_hosts if context.hybrid_sharding else 1
@@ -76,7 +73,7 @@ class TorchBackend(Backend):
                 mesh.mesh_dim_names,
                 " x ".join(str(size) for size in mesh.shape),
             )
-        return sharding.shard_model(model, plan, unit_config, context.fsdp_config, mesh)
+        return sharding.shard_model(model, plan, context.fsdp_config, mesh)
 
     def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
         return sharding.make_grad_scaler(amp_dtype, "cpu" if self.context.on_cpu else "cuda")
@@ -167,3 +164,16 @@ class TorchBackend(Backend):
     @classmethod
     def files_to_read(cls, marker: Mapping[str, Any], with_optimizer: bool) -> int:
         return 1
+
+
+def refuse_sharded_model(model: nn.Module, backend: str) -> None:
+    """
+    A model already holding FSDP units of another implementation (FairScale's, or torch's FSDP1:
+    both keep the wrapped module as ``_fsdp_wrapped_module``) cannot be sharded again by FSDP2.
+    """
+    if any(hasattr(module, "_fsdp_wrapped_module") for module in model.modules()):
+        raise ConfigurationError(
+            f'training_engine.backend: "{backend}" got a model with FSDP units already in it: pass the '
+            "model to the engine unconstructed (as a config does), so that the backend applies "
+            "with_wrapped_modules' plan itself, or use backend: \"fairscale\" for a FairScale-wrapped model."
+        )

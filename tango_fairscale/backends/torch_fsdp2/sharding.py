@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from ...config import FSDPConfig, parse_dtype
 from ...devices import worker_computes_on_cpu
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
-from ...wrapping import WrapPlan, _disable_hf_kv_cache, _replace_submodule
+from ...wrapping import WrapPlan, disable_hf_kv_cache, replace_submodule
 from .collectives import UnitBuffers, use_ring_collectives
 
 logger = logging.getLogger(__name__)
@@ -351,19 +351,14 @@ def _shard(
         )
 
 
-def shard_model(
-    model: nn.Module,
-    plan: WrapPlan,
-    unit_config: Optional[FSDPConfig],
-    root_config: FSDPConfig,
-    mesh: DeviceMesh,
-) -> nn.Module:
+def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh: DeviceMesh) -> nn.Module:
     """
     Apply ``plan`` to ``model`` in place with FSDP2 and return it: each selected module, deepest
     first, is allocated if its parameters are on ``meta``, wrapped in torch's non-reentrant
-    :func:`checkpoint_wrapper` if it is checkpointed, and sharded with ``unit_config`` if it is an
-    FSDP unit; then the root's remaining ``meta`` parameters are allocated and the root is
-    sharded with ``root_config``.
+    :func:`checkpoint_wrapper` if it is checkpointed, and sharded if it is an
+    FSDP unit with the plan's ``unit_config``; then the root's remaining ``meta`` parameters are
+    allocated and the root is sharded with ``root_config``. Frozen and trainable parameters may
+    share a unit: each parameter is its own DTensor, and a frozen one gets no gradient.
 
     ``init_on_meta``: a unit's parameters are allocated whole and initialised on every worker
     (:func:`~tango_fairscale.materialize.materialize_module`, same seed, same order, so every
@@ -374,17 +369,17 @@ def shard_model(
 
     Parameter names are the plain model's, plus ``_checkpoint_wrapped_module.`` inside
     checkpointed modules; :func:`torch.distributed.checkpoint.state_dict.get_state_dict` and
-    :func:`full_state_dict` drop that part. ``unit_config`` ``None`` means FairScale's defaults
+    :func:`full_state_dict` drop that part. A plan without ``unit_config`` means FairScale's defaults
     (as ``fsdp_config: {}``). Needs an initialised process group and ``mesh`` (:func:`make_mesh`).
     """
-    unit_config = unit_config if unit_config is not None else FSDPConfig()
+    unit_config = plan.unit_config if plan.unit_config is not None else FSDPConfig()
     if plan.fsdp_units:
         check_options(unit_config, where="with_wrapped_modules.fsdp_config")
     check_options(root_config, where="training_engine.fsdp_config")
     units = set(plan.fsdp_units)
     unit_buffers = UnitBuffers()
     if plan.checkpointed:
-        _disable_hf_kv_cache(model)
+        disable_hf_kv_cache(model)
     with real_parameters():
         # Deepest first, so that a parent is sharded after (and around) its sharded children: a
         # unit's parameters are those not already in a unit inside it.
@@ -396,7 +391,7 @@ def shard_model(
                 )
             if name in plan.checkpointed:
                 module = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-                _replace_submodule(model, name, module)
+                replace_submodule(model, name, module)
             if name in units:
                 _shard(module, unit_config, mesh, root=False, name=name, unit_buffers=unit_buffers)
         if has_meta_parameters(model):
