@@ -226,6 +226,10 @@ def make_plan(step_name: str, step: Dict[str, Any], world_size: Optional[int] = 
         if wrapper
         else None
     )
+    if wrap_plan is not None and wrap_plan.fsdp:
+        # The refusal `tango run` makes (a tie split across units), made here too: a plan is
+        # only drawn for a config that trains.
+        wrap_plan.check_shared_parameters(model)
     selected = list(wrap_plan.fsdp_units) if wrap_plan else []
     checkpointed: Set[str] = set(wrap_plan.checkpointed) if wrap_plan else set()
 

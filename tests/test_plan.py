@@ -62,6 +62,15 @@ def test_plan_errors_name_the_problem(tmp_path: Path) -> None:
     assert "'nope' matches no submodule of ToyRegressor" in result.stderr
 
 
+def test_plan_refuses_a_tie_split_across_units_as_tango_run_does(tmp_path: Path) -> None:
+    config = train_config(wrap="nested", model={"type": "test::tied_lm"})
+    config["steps"]["train"]["model"]["modules_to_wrap"] = ["embed", "blocks\\.[0-9]+"]
+    result = run_plan(config, tmp_path, "-i", "tests.components")
+    assert result.returncode == 2, result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert "would be split across FSDP units" in line and "embed.weight in FSDP unit 'embed'" in line, line
+
+
 def test_plan_of_a_ddp_step_says_nothing_is_sharded(tmp_path: Path) -> None:
     result = plan(train_config(engine="torch", wrap="none"), tmp_path)
     assert [unit["shard_parameters"] for unit in result["units"]] == [
