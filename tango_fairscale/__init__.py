@@ -9,7 +9,9 @@ Importing this package registers:
 - :func:`from_pretrained` as the model constructor ``"fairscale::from_pretrained"`` (a pretrained
   ``transformers`` model, read unit by unit under ``init_on_meta``);
 - the callbacks ``"fairscale::metrics"``, ``"fairscale::memory"``, ``"fairscale::wandb"``,
-  ``"fairscale::tensorboard"`` and ``"fairscale::profile"``.
+  ``"fairscale::tensorboard"`` and ``"fairscale::profile"``;
+- :class:`TokenizeText` as the step ``"fairscale::tokenize_text"`` (text tokenized into blocks
+  for a causal language model).
 
 Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fairscale``
 under ``include_package`` in ``tango.yml``.
@@ -24,6 +26,7 @@ from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
 from .materialize import building_on_meta
 from .metrics import MetricsLog
 from .pretrained import from_pretrained, load_on_meta
+from .text_data import TokenBlocks, TokenizeText
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
@@ -45,6 +48,8 @@ __all__ = [
     "ProfileCallback",
     "RestoreRandomState",
     "TensorBoardLogger",
+    "TokenBlocks",
+    "TokenizeText",
     "WandbLogger",
     "WrapConfigurationError",
     "WrapPlan",

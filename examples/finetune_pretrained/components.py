@@ -1,7 +1,8 @@
 """
-The data step of the fine-tuning example: a part of a text, tokenized with the pretrained model's
-own tokenizer (``AutoTokenizer`` of its directory) into blocks of ``input_ids`` and ``labels``,
-split into ``train`` and a held-out ``validation`` tail.
+The text of the fine-tuning example: the chapters of the book the pretrained model has not seen,
+read as the pretraining read the book (its wrapped lines joined into paragraphs). The package's
+step ``fairscale::tokenize_text`` (config.jsonnet) tokenizes it with the pretrained model's own
+tokenizer into blocks of ``input_ids`` and ``labels`` and holds out its end for validation.
 
 The model needs no component: ``fairscale::from_pretrained`` builds it from the directory
 ``make_pretrained.py`` wrote.
@@ -9,29 +10,25 @@ The model needs no component: ``fairscale::from_pretrained`` builds it from the 
 
 import hashlib
 from pathlib import Path
-from typing import Dict, List, Optional
-
-import torch
+from typing import List, Optional
 
 # The text as the pretraining saw it (make_pretrained.py is beside this file, on Tango's path).
 from make_pretrained import unwrap
 from tango import Step
-from tango.common.dataset_dict import DatasetDict
 
-#: The files of the pretrained directory that decide the result of training, hashed into the data
-#: step's id (see :attr:`TextBlocks.unique_id`).
+#: The files of the pretrained directory that decide the result of training, hashed into the text
+#: step's id (see :attr:`BookText.unique_id`).
 PRETRAINED_FILES = ("tokenizer.json", "config.json", "model.safetensors")
 
 
-@Step.register("finetune::text_blocks")
-class TextBlocks(Step):
+@Step.register("finetune::book_text")
+class BookText(Step):
     """
     The text of ``path`` (its lines joined into paragraphs, :func:`unwrap`) from the first line
-    starting with ``start`` (the whole text without it), tokenized with the tokenizer of the
-    ``pretrained`` directory. Its last
-    ``validation_fraction`` (cut at a line break) is held out for validation; the rest is cut into
-    training blocks of ``block_size`` tokens starting every ``train_stride`` tokens (overlapping
-    blocks: more examples from a short text). Validation blocks do not overlap.
+    starting with ``start`` (the whole text without it), as one document.
+
+    ``pretrained`` is not read here: its files are hashed into this step's id (see
+    :attr:`unique_id`).
     """
 
     DETERMINISTIC = True
@@ -40,13 +37,17 @@ class TextBlocks(Step):
 
     @property
     def unique_id(self) -> str:
-        # Tango names a step's result after its config alone: an edited text or a new pretrained
-        # model at the same paths would reuse the old tokens, and the training step that takes them
-        # its old result. Hashing the files into this id reruns this step and the training after it.
+        # Tango names a step's result after its config alone. fairscale::tokenize_text adds the
+        # text it reads and the tokenizer's files to its own id, but the training step names the
+        # pretrained model by its path alone: a new model at the same path (make_pretrained.py run
+        # again) would reuse the old result. Its weights, hashed here, rerun the steps after this one.
         if self.unique_id_cache is None:
             digest = hashlib.sha256()
-            pretrained = Path(self.kwargs["pretrained"])
-            for file in [Path(self.kwargs["path"]), *(pretrained / name for name in PRETRAINED_FILES)]:
+            pretrained = Path(self.kwargs.get("pretrained") or "")
+            for file in [
+                Path(self.kwargs.get("path", "")),
+                *(pretrained / name for name in PRETRAINED_FILES),
+            ]:
                 if file.is_file():
                     digest.update(file.name.encode())
                     digest.update(file.read_bytes())
@@ -54,17 +55,9 @@ class TextBlocks(Step):
         return self.unique_id_cache
 
     def run(  # type: ignore[override]
-        self,
-        path: str,
-        pretrained: str,
-        start: Optional[str] = None,
-        block_size: int = 128,
-        train_stride: Optional[int] = None,
-        validation_fraction: float = 0.1,
-    ) -> DatasetDict:
-        from transformers import AutoTokenizer
-
-        if not Path(pretrained).is_dir():
+        self, path: str, start: Optional[str] = None, pretrained: Optional[str] = None
+    ) -> List[str]:
+        if pretrained is not None and not Path(pretrained).is_dir():
             raise FileNotFoundError(
                 f"No pretrained model in {Path(pretrained).resolve()}: run `python make_pretrained.py` "
                 "in examples/finetune_pretrained first."
@@ -75,22 +68,5 @@ class TextBlocks(Step):
             if at < 0:
                 raise ValueError(f"No line of {path} starts with {start!r}")
             text = text[at + 1 :]
-        cut = text.rfind("\n", 0, int(len(text) * (1 - validation_fraction))) + 1
-        tokenizer = AutoTokenizer.from_pretrained(pretrained)
-        splits: Dict[str, List[Dict[str, torch.Tensor]]] = {}
-        for split, part, stride in (
-            ("train", text[:cut], train_stride or block_size),
-            ("validation", text[cut:], block_size),
-        ):
-            tokens = torch.tensor(tokenizer(part)["input_ids"], dtype=torch.long)
-            # clone(): a slice would keep (and pickle) the whole token tensor with every block.
-            blocks = [
-                tokens[i : i + block_size].clone() for i in range(0, len(tokens) - block_size + 1, stride)
-            ]
-            if not blocks:
-                raise ValueError(f"The {split} text has {len(tokens)} tokens, fewer than one block")
-            splits[split] = [{"input_ids": block, "labels": block} for block in blocks]
-            self.logger.info(
-                "%s: %d characters, %d tokens, %d blocks", split, len(part), len(tokens), len(blocks)
-            )
-        return DatasetDict(splits=splits, metadata={"pretrained": pretrained, "block_size": block_size})
+        self.logger.info("%s: %d characters from %r", path, len(text), start)
+        return [text]

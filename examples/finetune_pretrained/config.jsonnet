@@ -29,16 +29,25 @@ local p = presets[size];
 
 {
   steps: {
-    data: {
-      type: "finetune::text_blocks",
+    // The chapters the pretrained model has not seen, read as its pretraining read the book.
+    text: {
+      type: "finetune::book_text",
       path: "../train_gpt2/data/alice_in_wonderland.txt",
-      // The chapters the pretrained model has not seen.
       start: "CHAPTER VII.",
-      // Tokenized with the pretrained model's own tokenizer, read from its directory.
+      // Hashed into the step's id: a new pretrained model at this path trains again.
       pretrained: pretrained,
+    },
+    // The package's data step: tokenized with the pretrained model's own tokenizer (read from its
+    // directory) into blocks of input_ids and labels.
+    data: {
+      type: "fairscale::tokenize_text",
+      documents: { type: "ref", ref: "text" },
+      tokenizer: pretrained,
       block_size: 128,  // the model's n_positions
-      train_stride: 64,
+      stride: 64,  // overlapping training blocks; validation blocks never overlap
+      // The last 10 % of the text (cut at a line break) is held out for validation.
       validation_fraction: 0.1,
+      split_by: "tail",
     },
     train: {
       type: "torch::train",
