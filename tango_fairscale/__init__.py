@@ -8,6 +8,8 @@ Importing this package registers:
 - :func:`with_wrapped_modules` as the model constructor ``"fairscale::with_wrapped_modules"``;
 - :func:`from_pretrained` as the model constructor ``"fairscale::from_pretrained"`` (a pretrained
   ``transformers`` model, read unit by unit under ``init_on_meta``);
+- :func:`with_lora` as the model constructor ``"fairscale::with_lora"`` (peft's LoRA adapters on a
+  model, from :class:`LoraOptions`);
 - the callbacks ``"fairscale::metrics"``, ``"fairscale::memory"``, ``"fairscale::wandb"``,
   ``"fairscale::tensorboard"`` and ``"fairscale::profile"``;
 - :class:`TokenizeText` as the step ``"fairscale::tokenize_text"`` (text tokenized into blocks
@@ -23,6 +25,7 @@ from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
 from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
+from .lora import LoraOptions, with_lora
 from .materialize import building_on_meta
 from .metrics import MetricsLog
 from .pretrained import from_pretrained, load_on_meta
@@ -45,6 +48,7 @@ __all__ = [
     "FairScaleTrainingEngine",
     "MemoryCallback",
     "MetricsLog",
+    "LoraOptions",
     "ProfileCallback",
     "RestoreRandomState",
     "TensorBoardLogger",
@@ -57,5 +61,6 @@ __all__ = [
     "checkpointing",
     "from_pretrained",
     "plan_wrapping",
+    "with_lora",
     "with_wrapped_modules",
 ]

@@ -4,6 +4,7 @@ units, how big each is, which are checkpointed, and the model state each worker 
 compared with DDP. Used by ``python -m tango_fairscale plan``.
 """
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
@@ -184,15 +185,18 @@ def _states_per_parameter(optimizer: Dict[str, Any]) -> int:
 
 
 def _build(model_params: Dict[str, Any]) -> "tuple[nn.Module, str]":
+    # Each attempt gets its own copy: from_params pops what it reads, nested dicts included.
     try:
-        with torch.device("meta"):
-            return Model.from_params(Params(dict(model_params))), "the meta device (no memory)"
+        # As init_on_meta builds: a pretrained model (fairscale::from_pretrained, or transformers'
+        # from_pretrained, which refuses a meta device otherwise) from its config, no tensor read.
+        with torch.device("meta"), parameters_on_meta():
+            return Model.from_params(Params(copy.deepcopy(model_params))), "the meta device (no memory)"
     except ConfigurationError:
         raise
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; CPU always works
         pass
     try:
-        return Model.from_params(Params(dict(model_params))), "the CPU"
+        return Model.from_params(Params(copy.deepcopy(model_params))), "the CPU"
     except ConfigurationError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's constructor: its error, on one line

@@ -1,0 +1,150 @@
+"""
+LoRA adapters on a pretrained model, from a config: :class:`LoraOptions` (peft's ``LoraConfig``
+fields that a fine-tune sets) and the model constructor ``"fairscale::with_lora"``, which puts
+peft's adapters on any model constructor's result, typically ``"fairscale::from_pretrained"``:
+
+.. code-block:: jsonnet
+
+    model: {
+      type: "fairscale::with_wrapped_modules",
+      model: {
+        type: "fairscale::with_lora",
+        model: { type: "fairscale::from_pretrained", pretrained_model_name_or_path: "/models/llama" },
+        r: 8,
+        target_modules: ["q_proj", "v_proj"],
+      },
+      wrap_module_classes: ["LlamaDecoderLayer"],
+      fsdp_config: {},
+    }
+
+The result is peft's ``PeftModel``, as a user's own constructor calling ``get_peft_model`` would
+return: either backend shards it with frozen and trainable parameters in one unit, and under
+``init_on_meta`` the base is read from its files while the adapters keep peft's initialisation.
+``peft`` is the optional extra ``lora`` (``pip install 'tango-fairscale[lora]'``); it is imported
+only when a model uses it.
+"""
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch.nn as nn
+from tango.common import FromParams
+from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
+
+from .registry import register_model_constructor
+
+#: The registered name of :func:`with_lora`.
+LORA_TYPE = "fairscale::with_lora"
+
+_BIAS = ("none", "all", "lora_only")
+
+
+@dataclasses.dataclass
+class LoraOptions(FromParams):
+    """The options of peft's ``LoraConfig`` a fine-tune sets, with peft's meaning and defaults."""
+
+    r: int = 8
+    """The rank of each adapter: ``lora_A`` maps the layer's input to ``r`` features, ``lora_B`` back."""
+
+    lora_alpha: Optional[float] = None
+    """The adapters' output is scaled by ``lora_alpha / r``. Default: ``2 * r``."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training (peft's default, 0, keeps runs deterministic)."""
+
+    target_modules: Optional[List[str]] = None
+    """
+    The modules that get adapters: names (a module matches when its name ends with one) or, as a
+    single string, a regex fully matched against module names. Default: peft's choice for the
+    model's architecture (for Llama ``q_proj`` and ``v_proj``).
+    """
+
+    modules_to_save: Optional[List[str]] = None
+    """Modules trained in full beside the adapters (e.g. a new classification head)."""
+
+    bias: str = "none"
+    """Which biases train: ``"none"``, ``"all"`` or ``"lora_only"`` (those of adapted layers)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ConfigurationError(f"{LORA_TYPE}.r: must be a positive integer, got {self.r!r}.")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigurationError(f"{LORA_TYPE}.lora_alpha: must be > 0, got {self.lora_alpha!r}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigurationError(
+                f"{LORA_TYPE}.lora_dropout: must be in [0, 1), got {self.lora_dropout!r}."
+            )
+        if self.bias not in _BIAS:
+            raise ConfigurationError(f"{LORA_TYPE}.bias: must be one of {list(_BIAS)}, got {self.bias!r}.")
+        for name in ("target_modules", "modules_to_save"):
+            value = getattr(self, name)
+            if isinstance(value, str) and name == "modules_to_save":
+                raise ConfigurationError(
+                    f"{LORA_TYPE}.{name}: expected a list of module names, got the string {value!r}: "
+                    f"write [{value!r}]."
+                )
+
+    def peft_config(self) -> Any:
+        """These options as peft's ``LoraConfig``."""
+        from peft import LoraConfig
+
+        kwargs: Dict[str, Any] = {
+            "r": self.r,
+            "lora_alpha": self.lora_alpha if self.lora_alpha is not None else 2 * self.r,
+            "lora_dropout": self.lora_dropout,
+            "bias": self.bias,
+        }
+        if self.target_modules is not None:
+            kwargs["target_modules"] = self.target_modules
+        if self.modules_to_save is not None:
+            kwargs["modules_to_save"] = self.modules_to_save
+        return LoraConfig(**kwargs)
+
+
+def _import_peft() -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigurationError(
+            f"{LORA_TYPE} needs peft: pip install 'tango-fairscale[lora]' (or 'peft>=0.21,<0.22')."
+        ) from None
+
+
+@register_model_constructor(LORA_TYPE)
+def with_lora(
+    model: Model,
+    r: int = 8,
+    lora_alpha: Optional[float] = None,
+    lora_dropout: float = 0.0,
+    target_modules: Optional[List[str]] = None,
+    modules_to_save: Optional[List[str]] = None,
+    bias: str = "none",
+) -> Model:
+    """
+    ``model`` with peft's LoRA adapters (see :class:`LoraOptions` for the options): peft's
+    ``get_peft_model``, so the base's parameters are frozen and the adapters (and
+    ``modules_to_save``) train.
+
+    .. tip::
+        Registered as a :class:`~tango.integrations.torch.Model` constructor under the name
+        "fairscale::with_lora".
+    """
+    options = LoraOptions(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=target_modules,
+        modules_to_save=modules_to_save,
+        bias=bias,
+    )
+    _import_peft()
+    from peft import get_peft_model
+
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"{LORA_TYPE}.model: expected a torch module, got {type(model).__name__}.")
+    try:
+        return get_peft_model(model, options.peft_config())  # type: ignore[no-any-return]
+    except ValueError as error:
+        # peft's own words for a target_modules that matches nothing, one line.
+        raise ConfigurationError(f"{LORA_TYPE}: {str(error).splitlines()[0]}") from None
