@@ -529,3 +529,38 @@ class LanguageModelData(Step):
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(vocab_size, (size, length), generator=generator)
         return DatasetDict(splits={"train": [{"input_ids": t, "labels": t} for t in tokens]})
+
+
+@Model.register("test::peft_lora")
+def peft_lora(pretrained: str, r: int = 4, target_modules: Sequence[str] = ("q_proj", "v_proj")) -> Model:
+    """
+    A user's own LoRA constructor, as written without this package's help: peft's LoRA adapters on
+    ``transformers``' ``from_pretrained`` model (dropout off, so that runs compare exactly).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(pretrained, attention_dropout=0.0)
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(target_modules))
+    return get_peft_model(base, config)  # type: ignore[no-any-return]
+
+
+@Model.register("test::skips_a_block_on_worker_1")
+class SkipsABlockOnWorker1(Model):
+    """The toy regressor whose forward skips its second block on worker 1 only (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from examples.toy.components import ToyRegressor
+
+        self.inner = ToyRegressor(in_features=8, width=16, num_blocks=3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        hidden = self.inner.input(x)
+        for index, block in enumerate(self.inner.blocks):
+            if index == 1 and dist.get_rank() == 1:
+                continue
+            hidden = block(hidden)
+        return {"loss": self.inner.loss(self.inner.head(hidden).squeeze(-1), y)}

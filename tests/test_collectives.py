@@ -1,6 +1,7 @@
 """The ring all-gather and reduce-scatter of the CPU support give what gloo's own give."""
 
 import copy
+from pathlib import Path
 from typing import Any, List, Tuple
 
 import pytest
@@ -227,3 +228,40 @@ def test_a_reduce_scatter_output_in_the_shared_input_buffer_is_refused() -> None
     # The root's input is its own.
     root = RingReduceScatter(inputs, ends_backward=True)
     assert not inputs.holds(root.allocate((8,), dtype=torch.float32, device=torch.device("cpu")))
+
+
+def _check_ring_timeout(rank: int, port: int, done: str) -> None:
+    import datetime
+    import time
+    from pathlib import Path
+
+    from tango_fairscale.cpu.collectives import CollectiveTimeoutError
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=2),
+    )
+    if rank == 0:
+        # Worker 1 never joins this all-gather (workers that disagree on their collectives).
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as error:
+            GlooCollectives("torch.distributed").all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
+        elapsed = time.monotonic() - started
+        Path(done).write_text(f"{elapsed}")
+        message = str(error.value)
+        assert message.startswith("worker 0 waited 2 s (collective_timeout) to "), message
+        assert "worker 1" in message and "\n" not in message, message
+        assert elapsed < 10, elapsed
+    else:
+        deadline = time.monotonic() + 30
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Path(done).exists()
+
+
+def test_a_ring_whose_peer_never_joins_ends_within_the_timeout(tmp_path: Path) -> None:
+    # It waited forever: gloo applies the group's timeout to collectives, not to send/recv waits.
+    harness.spawn(_check_ring_timeout, args=(free_port(), str(tmp_path / "done")), nprocs=2)

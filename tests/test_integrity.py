@@ -143,7 +143,6 @@ def test_changed_byte_is_refused_through_resume(saved_run: Path, tmp_path: Path)
     ), result.describe()
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
     timeout = 15
@@ -185,3 +184,26 @@ def test_weights_are_unchanged_by_verification(saved_run: Path) -> None:
         checkpointing.load_model_shards(saved_run / "checkpoint_state_step8")
     )
     assert max_abs_difference(full, torch.load(saved_run / "weights.pt", weights_only=True)) == 0.0
+
+
+def test_workers_that_run_different_collectives_end_within_the_timeout(tmp_path: Path) -> None:
+    # The fairscale backend's workers waited forever (collective_timeout 30: still at 0 % after
+    # 200 s): a ring transfer's wait had no timeout. Now each worker ends within the timeout,
+    # naming itself and the worker it waited for.
+    import time
+
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        model={"type": "test::skips_a_block_on_worker_1"},
+        callbacks=[],
+        engine_extra={"collective_timeout": 3},
+    )
+    config["steps"]["train"]["model"]["modules_to_wrap"] = ["inner\\.blocks\\.[0-9]+"]
+    started = time.monotonic()
+    (result,) = harness.run([harness.Train(config, tmp_path / "work")], out=tmp_path / "h", timeout=120)
+    elapsed = time.monotonic() - started
+    errors = [error for error in result.errors if error is not None]
+    print(f"ended in {elapsed:.1f} s: {errors}")
+    assert errors and elapsed < 60, (elapsed, result.describe())
+    assert any("waited 3 s (collective_timeout)" in error and "worker" in error for error in errors), errors

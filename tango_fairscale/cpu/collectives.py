@@ -12,7 +12,8 @@ deterministic, and with 2 workers (one addition, which commutes) equal to gloo's
 """
 
 import types
-from typing import Any, List, cast
+from datetime import timedelta
+from typing import Any, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,25 @@ class GlooCollectives(types.ModuleType):
         return getattr(dist, name)
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A ring transfer's peer did not answer within the process group's timeout."""
+
+
+def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """
+    The timeout the process group was started with (the engine's ``collective_timeout``), which
+    gloo applies to its collectives but not to a point-to-point transfer's ``wait()``: without it
+    a ring whose peer never sends (workers that disagree on which collectives to run) waited
+    forever. ``None`` where the group's backend does not say.
+    """
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) and timeout > timedelta(0) else None
+
+
 class Ring:
     """The workers of a process group in rank order, closed into a ring."""
 
@@ -107,6 +127,9 @@ class Ring:
         self.size = dist.get_world_size(self.group)
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self._previous = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        # The default group's: FairScale makes its groups with new_group(), which gives them
+        # torch's 30-minute default rather than the engine's collective_timeout.
+        self._timeout = group_timeout(cast(dist.ProcessGroup, dist.group.WORLD))
 
     def chunk(self, offset: int) -> int:
         """Index of the chunk ``offset`` places from this worker's own."""
@@ -116,9 +139,27 @@ class Ring:
         """Send ``send`` to the next worker while receiving ``receive`` from the previous one."""
         sending = dist.isend(send, self._next, group=self.group)
         receiving = dist.irecv(receive, self._previous, group=self.group)
-        for request in (sending, receiving):
-            if request is not None:  # None only for workers outside the group
+        for request, peer, what in (
+            (sending, self._next, "send to"),
+            (receiving, self._previous, "receive from"),
+        ):
+            if request is None:  # None only for workers outside the group
+                continue
+            if self._timeout is None:
                 request.wait()
+                continue
+            try:
+                request.wait(self._timeout)
+            except RuntimeError as error:
+                if "imed out" not in str(error):
+                    raise
+                seconds = self._timeout.total_seconds()
+                raise CollectiveTimeoutError(
+                    f"worker {dist.get_rank()} waited {seconds:g} s (collective_timeout) "
+                    f"to {what} worker {peer} in a ring all-gather or reduce-scatter of FSDP on CPU workers: "
+                    "the workers ran different collectives (e.g. a forward that skips a wrapped module on "
+                    "some workers only), or that worker is stuck."
+                ) from None
 
 
 def ring_compatible(pieces: List[torch.Tensor], single: torch.Tensor, world_size: int) -> bool:
