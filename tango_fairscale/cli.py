@@ -5,7 +5,8 @@ Commands:
 
 - ``consolidate CHECKPOINT_DIR OUT.pt [--optimizer] [--force]``: one full state dict from a
   sharded checkpoint, with no process group and no GPU; ``--format hf --hf-config DIR`` writes
-  ``OUT`` as a directory ``transformers``' ``from_pretrained`` loads instead.
+  ``OUT`` as a directory ``transformers``' ``from_pretrained`` loads instead. ``--force``
+  replaces an earlier output of ``consolidate`` only (:mod:`tango_fairscale.output_paths`).
 - ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]``: the wrap
   plan of a training step and the model state each worker will hold, without training.
 - ``plot WORK_DIR_OR_METRICS_FILE [-o OUT.png] [--keys loss,...]``: a PNG of the metrics log
@@ -28,11 +29,12 @@ from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
 from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
 
-from . import checkpointing, consolidation
+from . import checkpointing, consolidation, output_paths
 from .errors import CheckpointError
 from .hf_export import export_hf, model_source_tensors
-from .metrics import METRIC_KINDS, METRICS_FILE_NAME, metric_keys, plot_metrics, read_metrics
+from .metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
 from .plan import make_plan, render
+from .plotting import metric_keys, plot_metrics
 
 TRAIN_STEP_TYPE = "torch::train"
 
@@ -48,24 +50,17 @@ def _one_line(error: BaseException, lines: int = 2) -> str:
     return "; ".join(parts) or type(error).__name__
 
 
-def _is_checkpoint_dir(directory: Path) -> bool:
-    # Also a directory with worker files but no marker: an interrupted save is still a checkpoint
-    # that a later save or a resume may read, so nothing else belongs in it.
-    return (directory / checkpointing.MARKER).exists() or any(directory.glob("worker*_model.pt"))
-
-
-def check_output(output: Path, *, force: bool) -> None:
-    """Raise a :class:`UsageError` unless ``output`` is a file path ``consolidate`` may write."""
-    if output.is_dir():
-        raise UsageError(f"output {output} is a directory: give the path of the .pt file to write")
-    for directory in output.resolve().parents:
-        if _is_checkpoint_dir(directory):
-            raise UsageError(
-                f"refusing to write {output} inside the checkpoint directory {directory}: "
-                "choose a path outside it"
-            )
-    if output.exists() and not force:
-        raise UsageError(f"output {output} already exists: pass --force to overwrite it")
+def check_output(
+    output: Path, kind: str, checkpoint_dir: Path, given: Path, *, force: bool
+) -> Optional[Path]:
+    """
+    Raise unless ``consolidate`` may write ``output`` (:func:`tango_fairscale.output_paths.check_output`:
+    a new path, or with ``force`` an earlier output of the same kind) from ``checkpoint_dir``, the
+    checkpoint ``given`` resolved to. Returns the work directory ``given`` was, if it was one.
+    """
+    work_dir = given if given.resolve() != checkpoint_dir.resolve() else None
+    output_paths.check_output(output, kind, replace=force, work_dir=work_dir, sources=[checkpoint_dir])
+    return work_dir
 
 
 def consolidate_hf(
@@ -83,18 +78,21 @@ def consolidate_hf(
         )
     if not checkpoint_dir.exists():
         raise UsageError(f"checkpoint directory {checkpoint_dir} does not exist")
-    checkpoint_dir = checkpointing.resolve_checkpoint(checkpoint_dir)
-    for directory in [output.resolve(), *output.resolve().parents]:
-        if _is_checkpoint_dir(directory):
-            raise UsageError(f"refusing to write {output} inside the checkpoint directory {directory}")
-    if output.exists() and not force:
-        raise UsageError(f"output {output} already exists: pass --force to replace it")
+    given, checkpoint_dir = checkpoint_dir, checkpointing.resolve_checkpoint(checkpoint_dir)
+    work_dir = check_output(output, output_paths.HF_EXPORT, checkpoint_dir, given, force=force)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(hf_config))
     source = model_source_tensors(consolidation.model_source(checkpoint_dir))
     try:
-        export_hf(source, output, config, tokenizer_from=Path(hf_config))
+        export_hf(
+            source,
+            output,
+            config,
+            tokenizer_from=Path(hf_config),
+            work_dir=work_dir,
+            sources=[checkpoint_dir],
+        )
     except OSError as error:
         raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
     print(f"Wrote {output} (from_pretrained loads it)")
@@ -106,14 +104,14 @@ def consolidate(
     """
     Write the full (unsharded) model state dict of ``checkpoint_dir`` to ``output``; with
     ``with_optimizer``, write ``{"model": ..., "optimizer": ...}`` instead, the optimizer state
-    keyed by parameter name. ``output`` may not lie inside a checkpoint directory, nor be an
-    existing file unless ``force``.
+    keyed by parameter name. ``output`` must be a new path, or with ``force`` a file an earlier
+    ``consolidate`` wrote (:mod:`tango_fairscale.output_paths`).
     """
     checkpoint_dir, output = Path(checkpoint_dir), Path(output)
     if not checkpoint_dir.exists():
         raise UsageError(f"checkpoint directory {checkpoint_dir} does not exist")
-    checkpoint_dir = checkpointing.resolve_checkpoint(checkpoint_dir)
-    check_output(output, force=force)
+    given, checkpoint_dir = checkpoint_dir, checkpointing.resolve_checkpoint(checkpoint_dir)
+    check_output(output, output_paths.CONSOLIDATED, checkpoint_dir, given, force=force)
     marker = checkpointing.read_marker(checkpoint_dir)
     assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
@@ -126,7 +124,7 @@ def consolidate(
             )
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
-            checkpointing.atomic_save(result, output)
+            consolidation.save_consolidated(result, output)
         except OSError as error:
             raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
         shapes = [tuple(t.shape) for t in result["model"].values()]
@@ -405,7 +403,7 @@ def peak_command(dtype_name: str, threads: Optional[int], seconds: float) -> Non
     import torch
 
     from .config import parse_dtype
-    from .throughput import measure_cpu_peak
+    from .telemetry.peaks import measure_cpu_peak
 
     if threads is not None:
         if threads < 1:
@@ -466,7 +464,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         action="store_true",
         help='also consolidate the optimizer state; the file is then {"model": ..., "optimizer": ...}',
     )
-    consolidate_parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    consolidate_parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an output an earlier consolidate wrote (of the same --format); any other existing "
+        "path is refused",
+    )
     consolidate_parser.add_argument(
         "--format",
         choices=["pt", "hf"],

@@ -6,6 +6,8 @@ consolidate``; the engine's ``weights.pt`` goes through its own backend directly
 The model alone is written one tensor at a time (:func:`model_source`, :func:`save_model`): the
 shards are mapped, not read into private memory, and each full tensor is built, written and
 dropped before the next, so consolidating needs the largest tensor's memory, not the model's.
+Both writers mark the file as ``consolidate``'s (a record in its archive), so that a later
+``consolidate --force`` replaces it and nothing else (:mod:`tango_fairscale.output_paths`).
 """
 
 from pathlib import Path
@@ -15,7 +17,8 @@ from . import checkpointing
 from .backends.base import Backend, ModelSource
 from .backends.lookup import backend_class
 from .checkpointing.formats import is_torch_checkpoint
-from .checkpointing.streaming import stream_save
+from .checkpointing.streaming import save_with_records, stream_save
+from .output_paths import CONSOLIDATED, PT_MARKER_RECORD, marker
 
 
 def backend_of(marker: Mapping[str, Any]) -> Type[Backend]:
@@ -39,7 +42,13 @@ def save_model(source: ModelSource, path: Path, *, progress: Optional[Callable[[
         source.produce,
         Path(path),
         progress=None if progress is None else lambda _: progress(),
+        records={PT_MARKER_RECORD: marker(CONSOLIDATED)},
     )
+
+
+def save_consolidated(state: Dict[str, Any], path: Path) -> None:
+    """Write :func:`consolidate`'s result to ``path`` (atomically) with ``torch.save``'s serializer."""
+    save_with_records(state, Path(path), {PT_MARKER_RECORD: marker(CONSOLIDATED)})
 
 
 def consolidate(

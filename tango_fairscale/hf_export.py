@@ -9,14 +9,17 @@ shared rather than read into private memory, and are written one tensor at a tim
 safetensors' own layout (:func:`write_safetensors`; for one file the bytes are
 ``safetensors.torch.save_file``'s), so an export needs the largest tensor's memory, not the
 model's. The directory is written under a temporary name and renamed into place: a crash leaves
-the previous directory or none, never a half one.
+the previous directory or none, never a half one, and the next export removes the temporaries.
+It replaces only a directory an earlier export wrote (:mod:`tango_fairscale.output_paths`, whose
+marker file it writes too; ``from_pretrained`` ignores it).
 """
 
+import copy
 import json
 import os
 import shutil
 import struct
-import uuid
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -26,21 +29,18 @@ import torch.nn as nn
 from .backends.base import ModelSource
 from .checkpointing.files import fsync_directory, safe_load
 from .errors import CheckpointError
+from .output_paths import (
+    EXPORT_MARKER,
+    HF_EXPORT,
+    TOKENIZER_FILES,
+    check_output,
+    marker,
+    remove_stale_temporaries,
+    temporary_sibling,
+)
 
 #: Shards of at most this many bytes of tensor data, as ``save_pretrained``'s default ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-#: Files of a model's directory that go with its weights: the tokenizer's (any of them).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-)
 
 #: safetensors' dtype names, in the order of its ``Dtype`` enum: tensors are laid out by
 #: descending dtype (so larger alignments come first), then by name.
@@ -188,15 +188,24 @@ def export_hf(
     model_class: Any = None,
     tokenizer_from: Optional[Path] = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    work_dir: Optional[Path] = None,
+    sources: Sequence[Path] = (),
+    label: str = "",
 ) -> Path:
     """
     Write ``directory`` from ``source`` (the state of a model holding a ``transformers`` model of
     ``config``, possibly inside the user's own module: :func:`weights_file`,
     :func:`model_source_tensors`), atomically. ``model_class`` defaults to the config's first
     ``architectures`` entry. Returns ``directory``.
+
+    ``directory`` may be new or an earlier export; anything else is refused with a
+    :class:`CheckpointError` naming it (:func:`~tango_fairscale.output_paths.check_output`, told
+    the step's ``work_dir`` and the checkpoints read, ``sources``; ``label`` the option it came from).
     """
     import transformers
 
+    directory = Path(directory)
+    check_output(directory, HF_EXPORT, work_dir=work_dir, sources=sources, label=label)
     model_class = model_class or model_class_of(config)
     names, _ = hf_state_names(model_class, config)
     available, read = source
@@ -206,25 +215,121 @@ def export_hf(
         raise CheckpointError(f"The trained weights lack {missing[:5]} of {model_class.__name__}.")
     tensors = {name: available[prefix + name] for name in names}
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         generation = getattr(model_class, "can_generate", None)
         if callable(generation) and generation():
             transformers.GenerationConfig.from_model_config(config).save_pretrained(tmp)
         _write_weights(tmp, tensors, lambda name: read(prefix + name), max_shard_bytes)
-        if tokenizer_from is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_from) / name).is_file():
-                    shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
+        _copy_tokenizer(tokenizer_from, tmp)
+
+    return _write_directory(directory, fill)
+
+
+def export_peft_adapter(
+    source: TensorSource,
+    directory: Path,
+    peft_model: Any,
+    *,
+    base_directory: Optional[Path] = None,
+    work_dir: Optional[Path] = None,
+    sources: Sequence[Path] = (),
+    label: str = "",
+) -> Path:
+    """
+    Write ``directory`` as peft's adapter directory for ``peft_model`` (a ``PeftModel``, or the
+    model holding it) from the trained state ``source``: ``adapter_config.json`` and
+    ``adapter_model.safetensors``, named as ``PeftModel.save_pretrained`` names them, which
+    ``PeftModel.from_pretrained(base, directory)`` loads onto the base model; the tokenizer files
+    of ``base_directory`` (the pretrained model's, also recorded as the adapter's base) beside
+    them. Atomically, replacing only an earlier export, as :func:`export_hf`.
+    """
+    from peft import get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    check_output(directory, HF_EXPORT, work_dir=work_dir, sources=sources, label=label)
+    available, read = source
+    names = [name for name in available if _ADAPTER_PART in name or "modules_to_save" in name]
+    prefix = _peft_prefix(list(available))
+    # peft picks the adapter's tensors and names them (the adapter name dropped); only the
+    # adapter's tensors are read, one at a time: they are a small part of the model.
+    state = {name[len(prefix) :]: read(name).clone() for name in names}
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    # peft finds the adapter's tensors by the names of the model's LoRA layers, which FSDP's
+    # wrappers change: it is asked with the plain model's skeleton, built on meta (no memory).
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        skeleton = get_peft_model(type(base)(base.config), copy.deepcopy(config))
+    adapter = get_peft_model_state_dict(skeleton, state_dict=state)
+    if not adapter:
+        raise CheckpointError("The trained weights hold none of the peft model's adapter tensors.")
+    if base_directory is not None:
+        config.base_model_name_or_path = str(base_directory)
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(str(tmp))
+        save_file(
+            {k: v.contiguous() for k, v in adapter.items()},
+            str(tmp / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        _copy_tokenizer(base_directory, tmp)
+
+    return _write_directory(directory, fill)
+
+
+#: What every LoRA adapter tensor's name holds.
+_ADAPTER_PART = ".lora_"
+
+
+def _peft_prefix(names: Sequence[str]) -> str:
+    """Where the ``PeftModel`` sits in the trained model (its names start with ``base_model.model.``)."""
+    for name in names:
+        index = name.find("base_model.model.")
+        if index >= 0:
+            return name[:index]
+    raise CheckpointError("The trained weights hold no peft model (no name has 'base_model.model.').")
+
+
+def peft_model_in(model: nn.Module) -> Optional[Any]:
+    """The outermost peft ``PeftModel`` inside ``model`` (wrapped or not), if there is one."""
+    if "peft" not in sys.modules:  # a model holding one has imported it
+        return None
+    from peft import PeftModel
+
+    for module in model.modules():
+        if isinstance(module, PeftModel):
+            return module
+    return None
+
+
+def _copy_tokenizer(tokenizer_from: Optional[Path], directory: Path) -> None:
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).is_file():
+                shutil.copyfile(Path(tokenizer_from) / name, directory / name)
+
+
+def _write_directory(directory: Path, fill: Callable[[Path], None]) -> Path:
+    """
+    ``fill`` a temporary sibling of ``directory``, then put it in ``directory``'s place with its
+    marker (last: the files it lists are the ones a later export may replace), synced: a crash
+    leaves the previous directory or none, and the next export removes what it left.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory)
+    tmp = temporary_sibling(directory, "tmp")
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        (tmp / EXPORT_MARKER).write_bytes(marker(HF_EXPORT, [path.name for path in tmp.iterdir()]))
         for path in tmp.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         fsync_directory(tmp)
-        old = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.old")
+        old = temporary_sibling(directory, "old")
         if directory.exists():
             os.replace(directory, old)
         os.replace(tmp, directory)

@@ -6,23 +6,29 @@ A distributed run that fails inside its workers costs a process-group start-up a
 every worker fails the same way, N copies of one traceback. Whatever can be checked from the
 config alone is therefore checked here, once, with a :class:`ConfigurationError` that names
 the field: the engine's and the wrapper's options, the number of workers, the data sampler,
-and the wrap patterns (the model is built on the ``meta`` device, which allocates no memory).
+the splits, the resume point against ``train_steps``, the callbacks' options (by each callback's
+own ``check_options``), a ``fairscale::from_pretrained`` model's inputs (by
+:func:`~tango_fairscale.pretrained.check_pretrained`), and the wrap patterns (the model is built
+on the ``meta`` device, which allocates no memory).
 
 It runs from the step patch T1 of :mod:`tango_fairscale.compat`, for steps whose engine is
 ``"fairscale"``; the rules on the engine's own options are :mod:`tango_fairscale.options`'s,
 shared with the engine.
 """
 
+import difflib
+import inspect
 import logging
+import math
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from tango.common import Lazy, Params
 from tango.common.exceptions import CliRunError, ConfigurationError
-from tango.integrations.torch import Sampler, TrainingEngine
+from tango.integrations.torch import Sampler, TrainCallback, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
@@ -30,9 +36,13 @@ from .backends.lookup import DEFAULT_BACKEND, backend_class
 from .checkpointing.formats import check_written_by
 from .config import FSDPConfig
 from .devices import devices_are_cpu
-from .engine import FairScaleTrainingEngine
+from .engine import FairScaleTrainingEngine, _no_hf_model_error
+from .hf_export import hf_model_in
 from .materialize import check_initialisable, parameters_on_meta
 from .options import EngineOptions, check_backend
+from .output_paths import HF_EXPORT, check_output, export_hf_path
+from .pretrained import PRETRAINED_TYPE, check_pretrained
+from .resume import check_within_run
 from .wrapping import WRAPPER_TYPE, check_list_option, require_parameters
 
 logger = logging.getLogger(__name__)
@@ -63,10 +73,12 @@ def check_engine(
     work_dir: Optional[Path] = None,
     on_cpu: bool = False,
     hosts: int = 1,
+    train_steps: Optional[int] = None,
 ) -> EngineOptions:
     """
     Validate the engine's options for ``device_count`` workers on each of ``hosts`` hosts (on
-    CPU workers with ``on_cpu``); return them.
+    CPU workers with ``on_cpu``), ``resume_from_checkpoint`` against the run's ``train_steps``;
+    return them.
     """
     options = EngineOptions.from_config(engine)
     # Warnings come from the engine, on worker 0, so that they are printed once.
@@ -82,9 +94,29 @@ def check_engine(
             marker = checkpointing.read_marker(resolved)
             if marker is not None:
                 check_written_by(resolved, marker, options.backend)
+                check_within_run(resolved, marker, train_steps)
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"training_engine.resume_from_checkpoint: {error}") from None
+    check_export_hf(options.export_hf, work_dir)
     return options
+
+
+def check_export_hf(export_hf: Any, work_dir: Optional[Path]) -> None:
+    """
+    ``export_hf`` where the engine will write it (a relative path against the step's work
+    directory, :func:`~tango_fairscale.output_paths.export_hf_path`), refused before anything
+    trains when the export may not replace what is there (:mod:`tango_fairscale.output_paths`).
+    """
+    if export_hf is None:
+        return
+    if not isinstance(export_hf, str) or not export_hf:
+        raise ConfigurationError(f"training_engine.export_hf: expected a directory path, got {export_hf!r}.")
+    if work_dir is None and not Path(export_hf).is_absolute():
+        return  # relative to a work directory not known here; the engine checks it before writing
+    try:
+        check_output(export_hf_path(export_hf, work_dir or Path()), HF_EXPORT, work_dir=work_dir)
+    except checkpointing.CheckpointError as error:
+        raise ConfigurationError(f"training_engine.export_hf: {error}") from None
 
 
 def check_sampler(dataloader: Dict[str, Any], dataset: Any, name: str) -> None:
@@ -185,6 +217,7 @@ def check_model(
     amp: bool = False,
     init_on_meta: bool = False,
     backend: str = DEFAULT_BACKEND,
+    export_hf: Optional[str] = None,
 ) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
     config = _params_of(model) if isinstance(model, Lazy) else {}
@@ -239,6 +272,8 @@ def check_model(
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
         return
     require_parameters(built)
+    if export_hf is not None:
+        check_export_hf_model(built)
     if init_on_meta and isinstance(model, Lazy):
         check_init_on_meta(model)
 
@@ -248,6 +283,130 @@ def check_init_on_meta(model: Any) -> None:
     with parameters_on_meta():
         built = model.construct()
     check_initialisable(built)
+
+
+def check_engine_keys(training_engine: Any) -> None:
+    """
+    Every key of ``training_engine`` is an argument of the engine's constructor, and the ones it
+    cannot go without are there: Tango would report either from inside every worker (a misspelt
+    ``optimizer`` as "Missing key optimizer", after a traceback per worker).
+    """
+    engine = _params_of(training_engine)
+    type_name = engine.get("type")
+    try:
+        engine_class = TrainingEngine.resolve_class_name(str(type_name))[0]
+    except Exception:  # noqa: BLE001 - an unknown name is Tango's error to report
+        return
+    parameters = inspect.signature(engine_class.__init__).parameters
+    # Tango passes these two itself.
+    taken = [name for name in parameters if name not in ("self", "train_config", "model")]
+    if any(parameters[name].kind is inspect.Parameter.VAR_KEYWORD for name in taken):
+        return  # an engine that takes any key
+    for key in engine:
+        if key != "type" and key not in taken:
+            nearest = difflib.get_close_matches(key, taken, n=1)
+            hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {sorted(taken)}."
+            raise ConfigurationError(
+                f"training_engine.{key}: not an option of the {type_name!r} engine: {hint}"
+            )
+    for name in taken:
+        if parameters[name].default is inspect.Parameter.empty and name not in engine:
+            raise ConfigurationError(
+                f"training_engine.{name}: missing; the {type_name!r} engine needs it"
+                f"{_ENGINE_EXAMPLES.get(name, '')}."
+            )
+
+
+#: How to write what the engine cannot go without, for the message that says it is missing.
+_ENGINE_EXAMPLES = {"optimizer": ' (e.g. "optimizer": {"type": "torch::AdamW", "lr": 0.0001})'}
+
+
+def check_splits(dataset_dict: Any, train_split: str, validation_split: Optional[str]) -> None:
+    """The step's splits are the dataset's (Tango's worker, and the checks here, fail on a KeyError)."""
+    for field, split in (("train_split", train_split), ("validation_split", validation_split)):
+        if split is not None and split not in dataset_dict:
+            splits = sorted(str(name) for name in dataset_dict.keys())
+            raise ConfigurationError(
+                f"{field}: the dataset has no split {split!r}; its splits are {splits}. Set {field} to one "
+                "of them."
+            )
+
+
+def planned_train_steps(
+    step_options: Dict[str, Any], dataset: Any, dataloader: Dict[str, Any], world_size: int
+) -> Optional[int]:
+    """
+    ``train_steps``, or what Tango's worker computes from ``train_epochs`` (the batches each worker's
+    loader yields per epoch, over ``grad_accum``); ``None`` where the data has no length.
+    """
+    if step_options.get("train_steps") is not None:
+        return int(step_options["train_steps"])
+    epochs = step_options.get("train_epochs")
+    if epochs is None or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        batches = batches_per_worker(len(dataset), world_size, dataloader)
+    except TypeError:
+        return None
+    return math.ceil(batches * epochs / step_options.get("grad_accum", 1)) if batches >= 0 else None
+
+
+def check_callbacks(callbacks: Any, train_steps: Optional[int]) -> None:
+    """
+    Each callback's options, by the rules the callback's constructor applies (its ``check_options``),
+    without constructing it: a constructor needs the workers' engine, and would have effects.
+    """
+    for index, callback in enumerate(callbacks or []):
+        config = _params_of(callback)
+        type_name = config.get("type")
+        callback_class = getattr(callback, "_constructor", None)
+        if isinstance(type_name, str):
+            try:
+                callback_class = TrainCallback.resolve_class_name(type_name)[0]
+            except Exception:  # noqa: BLE001 - an unknown name is Tango's error to report
+                continue
+        check = getattr(callback_class, "check_options", None)
+        if not callable(check):
+            continue
+        try:
+            check({key: value for key, value in config.items() if key != "type"}, train_steps)
+        except ConfigurationError as error:
+            raise ConfigurationError(f"callbacks[{index}]: {error}") from None
+
+
+def _configs_of_type(config: Any, type_name: str) -> List[Dict[str, Any]]:
+    """The parts of a config (nested dicts and lists) of registered type ``type_name``."""
+    if isinstance(config, list):
+        return [found for item in config for found in _configs_of_type(item, type_name)]
+    if not isinstance(config, dict):
+        return []
+    own = [config] if config.get("type") == type_name else []
+    return own + [found for value in config.values() for found in _configs_of_type(value, type_name)]
+
+
+def check_pretrained_models(model: Any, init_on_meta: bool) -> None:
+    """Each ``fairscale::from_pretrained`` of the model (alone or wrapped), by :func:`check_pretrained`."""
+    for config in _configs_of_type(_params_of(model), PRETRAINED_TYPE):
+        if config.get("pretrained_model_name_or_path") is None:
+            continue  # Tango says it is missing
+        try:
+            check_pretrained(
+                config["pretrained_model_name_or_path"],
+                config.get("auto_class", "AutoModelForCausalLM"),
+                config.get("config_overrides"),
+                init_on_meta=init_on_meta,
+            )
+        except ConfigurationError as error:
+            message = str(error)
+            raise ConfigurationError(
+                message if message.startswith(PRETRAINED_TYPE) else f"{PRETRAINED_TYPE}: {message}"
+            ) from None
+
+
+def check_export_hf_model(built: Any) -> None:
+    """``export_hf`` needs a ``transformers`` model in the step's model: the engine's rule and message."""
+    if hf_model_in(built) is None:
+        raise _no_hf_model_error()
 
 
 def preflight(
@@ -312,7 +471,11 @@ def _preflight(
     devices = list(devices or [])
     world_size = len(devices)
     check_counts(step_options)
-    options = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts)
+    check_engine_keys(training_engine)
+    check_splits(dataset_dict, train_split, validation_split)
+    train_loader = _params_of(train_dataloader)
+    train_steps = planned_train_steps(step_options, dataset_dict[train_split], train_loader, world_size)
+    options = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts, train_steps)
     if options.accumulate_grads_locally is True and step_options.get("grad_accum", 1) == 1:
         warnings.warn(
             "training_engine.accumulate_grads_locally has no effect with grad_accum 1: every batch is the "
@@ -320,7 +483,6 @@ def _preflight(
             UserWarning,
             stacklevel=2,
         )
-    train_loader = _params_of(train_dataloader)
     check_sampler(train_loader, dataset_dict[train_split], "train_dataloader")
     check_batches(
         train_loader, dataset_dict[train_split], train_split, "train_dataloader", world_size, training=True
@@ -334,10 +496,13 @@ def _preflight(
         )
         check_sampler(_params_of(loader), dataset_dict[validation_split], name)
         check_batches(_params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
+    check_callbacks(step_options.get("callbacks"), train_steps)
+    check_pretrained_models(model, options.init_on_meta)
     check_model(
         model,
         options.fsdp_config,
         amp=options.amp,
         init_on_meta=options.init_on_meta,
         backend=options.backend,
+        export_hf=options.export_hf,
     )

@@ -20,23 +20,27 @@ and the like, or a model constructor of the user's that calls it) loads the same
 """
 
 import copy
+import difflib
 import json
 import math
 import mmap
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
 from .hf_export import SAFETENSORS_DTYPES
-from .materialize import building_on_meta, mark_pretrained
+from .materialize import building_on_meta, mark_pretrained, not_recorded
 from .registry import register_model_constructor
 
+#: The registered name of :func:`from_pretrained`.
+PRETRAINED_TYPE = "fairscale::from_pretrained"
 #: The files of a directory ``save_pretrained`` wrote: one safetensors file, or shards and their index.
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -89,6 +93,30 @@ def read_header(path: Path) -> Tuple[int, Dict[str, Dict[str, Any]]]:
     return data_start, header
 
 
+def read_index(index: Path) -> Dict[str, str]:
+    """
+    The weight map of a sharded model's ``model.safetensors.index.json`` (tensor name -> file),
+    checked: it is one, and every file it names is in its directory.
+    """
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise ValueError("its weight_map does not map tensor names to file names")
+    except (KeyError, TypeError, ValueError) as error:  # json's errors are ValueErrors too
+        raise ConfigurationError(
+            f"{index} is not a safetensors index ({type(error).__name__}: {error}): save the model again "
+            "with save_pretrained."
+        ) from None
+    missing = sorted({file for file in weight_map.values() if not (index.parent / file).is_file()})
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigurationError(
+            f"{index} names shard(s) that are not in {index.parent}: {shown}. Copy every shard the index "
+            "lists into the directory (or save the model again with save_pretrained)."
+        )
+    return weight_map
+
+
 class SafetensorsFiles:
     """
     The tensors of a ``save_pretrained`` directory by name, each read on its own from its
@@ -103,8 +131,7 @@ class SafetensorsFiles:
         self.source = source
         index = directory / SAFETENSORS_INDEX
         if index.is_file():
-            weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: directory / file for name, file in weight_map.items()}
+            self.file_of = {name: directory / file for name, file in read_index(index).items()}
         elif (directory / SAFETENSORS_FILE).is_file():
             single = directory / SAFETENSORS_FILE
             self.file_of = {name: single for name in read_header(single)[1]}
@@ -120,15 +147,20 @@ class SafetensorsFiles:
     def names(self) -> List[str]:
         return list(self.file_of)
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name``, a read-only view of its file's mapping: never written through (it faults)."""
+    def entry(self, name: str) -> Tuple[int, Dict[str, Any]]:
+        """Where tensor ``name``'s file's data starts, and its header entry (``dtype``, ``shape``, ...)."""
         path = self.file_of[name]
         if path not in self._headers:
             self._headers[path] = read_header(path)
         data_start, header = self._headers[path]
         if name not in header:
             raise ConfigurationError(f"{path} has no tensor {name}, which {SAFETENSORS_INDEX} places there.")
-        entry = header[name]
+        return data_start, header[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, a read-only view of its file's mapping: never written through (it faults)."""
+        path = self.file_of[name]
+        data_start, entry = self.entry(name)
         dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
         count = math.prod(shape)
         if count == 0:  # nothing to map (frombuffer takes no empty range)
@@ -212,6 +244,245 @@ def load_buffers(model: nn.Module, files: SafetensorsFiles) -> int:
     return loaded
 
 
+# --- The inputs of fairscale::from_pretrained, checked (pre-flight calls check_pretrained) ---------------
+
+#: Seconds pre-flight waits for the hub to answer whether a model exists, once, without retrying
+#: (``huggingface_hub`` retries an unreachable hub for about 25 s per file, transformers per file).
+HUB_PROBE_SECONDS = 10.0
+#: Keyword arguments a ``transformers`` config takes that are not fields of it.
+_CONFIG_ARGUMENTS = ("attn_implementation",)
+
+
+def _shown(names: Sequence[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _hub_offline() -> bool:
+    """Whether ``huggingface_hub`` and ``transformers`` use the local cache only (``HF_HUB_OFFLINE``)."""
+    from huggingface_hub import constants
+    from transformers.utils import is_offline_mode
+
+    return bool(constants.HF_HUB_OFFLINE) or bool(is_offline_mode())
+
+
+def pretrained_directory(pretrained_model_name_or_path: str) -> Optional[Path]:
+    """
+    The local directory ``pretrained_model_name_or_path`` names, or ``None`` for a hub name that
+    ``transformers`` can load: in the Hugging Face cache, or (unless ``HF_HUB_OFFLINE`` is set)
+    on a hub that answered at once that it has it. Anything else is a one-line
+    :class:`ConfigurationError`, instead of transformers' retries (minutes without a network).
+    """
+    from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, validate_repo_id
+
+    name = pretrained_model_name_or_path
+    where = f"fairscale::from_pretrained: pretrained_model_name_or_path {name!r}"
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConfigurationError(
+            f"{where} is a file, not a directory: give the directory save_pretrained wrote (config.json "
+            "and the weights)."
+        )
+    try:
+        validate_repo_id(name)
+    except ValueError:  # HFValidationError: a path, not a hub name
+        raise ConfigurationError(
+            f"{where}: no such directory. Give the directory save_pretrained wrote (config.json and the "
+            "weights), or a Hugging Face hub name such as 'openai-community/gpt2'."
+        ) from None
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return None  # the cache holds it: transformers loads it from there when the hub is unreachable
+    fix = (
+        "Give a local directory save_pretrained wrote, or download the model into the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}) first (huggingface-cli download {name})"
+    )
+    if _hub_offline():
+        raise ConfigurationError(
+            f"{where} is not a local directory, and HF_HUB_OFFLINE is set while the Hugging Face cache "
+            f"does not hold it. {fix}."
+        )
+    try:
+        response = get_session().head(
+            hf_hub_url(name, "config.json"),
+            headers=build_hf_headers(),
+            timeout=HUB_PROBE_SECONDS,
+            allow_redirects=False,
+        )
+        hf_raise_for_status(response)
+    except OSError as error:  # requests' errors are OSErrors, huggingface_hub's HTTP errors too
+        if getattr(error, "response", None) is not None:
+            raise ConfigurationError(
+                f"{where} is not a local directory, and the hub does not give it: {_first_line(error)}. "
+                f"{fix}; a gated or private model needs a token (huggingface-cli login)."
+            ) from None
+        raise ConfigurationError(
+            f"{where} is not a local directory, and the Hugging Face hub ({constants.ENDPOINT}) cannot be "
+            f"reached ({type(error).__name__}). {fix}, and set HF_HUB_OFFLINE=1 to load it from there."
+        ) from None
+    return None
+
+
+def check_config_overrides(config: Any, overrides: Mapping[str, Any], where: str) -> None:
+    """
+    Every key of ``config_overrides`` is a field of ``config`` (read from ``where``): transformers
+    drops a key that is not one without a word (under ``init_on_meta``), or fails in the model's
+    constructor. Raises naming the key and the nearest field.
+    """
+    fields = sorted({*config.to_dict(), *getattr(config, "attribute_map", {})})
+    for key in overrides:
+        if key in fields or key in _CONFIG_ARGUMENTS:
+            continue
+        nearest = difflib.get_close_matches(str(key), fields, n=1)
+        hint = f"did you mean {nearest[0]!r}?" if nearest else f"use a field of {where}."
+        raise ConfigurationError(
+            f"fairscale::from_pretrained: config_overrides.{key} is not a field of {type(config).__name__} "
+            f"({where}), so it would change nothing: {hint}"
+        )
+
+
+def check_auto_class(model_class: Any, auto_class: str, config: Any, where: str) -> None:
+    """That ``auto_class`` builds the model ``config`` (from ``where``) describes, else which do."""
+    import transformers
+
+    def fits(candidate: Any) -> bool:
+        mapping = getattr(candidate, "_model_mapping", None)
+        if mapping is not None:  # an Auto class
+            return type(config) in mapping
+        config_class = getattr(candidate, "config_class", None)
+        return config_class is None or isinstance(config, config_class)
+
+    if fits(model_class):
+        return
+    fitting = [
+        name
+        for name in sorted(dir(transformers))
+        if name.startswith("AutoModel") and fits(getattr(transformers, name, None))
+    ]
+    raise ConfigurationError(
+        f"fairscale::from_pretrained: auto_class {auto_class!r} does not build the model of {where} "
+        f"({type(config).__name__}, model_type {getattr(config, 'model_type', '?')!r}): use one of "
+        f"{', '.join(repr(name) for name in fitting[:6]) or 'a transformers class of that model'}."
+    )
+
+
+def _unexpected_keys(model: nn.Module) -> Optional["re.Pattern[str]"]:
+    """The names transformers itself loads past without a word (``_keys_to_ignore_on_load_unexpected``)."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    if any(name.endswith("rotary_emb.inv_freq") for name, _ in model.named_buffers()):
+        patterns.append(r"rotary_emb\.inv_freq")  # as transformers: old checkpoints have one per layer
+    return re.compile("|".join(f"({pattern})" for pattern in patterns)) if patterns else None
+
+
+def check_fits(model: nn.Module, files: SafetensorsFiles, *, exact: bool) -> None:
+    """
+    That ``files`` hold ``model``'s weights (``model`` built from the directory's ``config.json``,
+    on ``meta``), reading every file's header: each tensor for a parameter or persistent buffer of
+    the model has its shape; with ``exact`` (under ``init_on_meta``, where names must match and a
+    tensor without a parameter is dropped without a word) every tensor has a place in the model.
+    Without it, names are matched as transformers matches them (with or without the base model's
+    prefix), and tensors without a place are transformers' to warn about. Raises naming the tensors
+    and their files.
+    """
+    shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shapes[name] = tuple(param.shape)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                # A non-persistent buffer is computed, not loaded: any shape in a file is harmless.
+                persistent = name not in module._non_persistent_buffers_set
+                shapes[f"{prefix}.{name}" if prefix else name] = tuple(buffer.shape) if persistent else None
+    base = getattr(model, "base_model_prefix", "") or ""
+    ignored = _unexpected_keys(model)
+    differing: List[str] = []
+    unused: List[str] = []
+    for name in files.names():
+        saved = tuple(int(n) for n in files.entry(name)[1]["shape"])  # reads and checks the header
+        candidates = [name] if exact or not base else [name, f"{base}.{name}", name.removeprefix(f"{base}.")]
+        place = next((candidate for candidate in candidates if candidate in shapes), None)
+        if place is None:
+            if ignored is None or ignored.search(name) is None:
+                unused.append(name)
+            continue
+        expected = shapes[place]
+        if expected is not None and expected != saved:
+            differing.append(
+                f"{name} is {list(saved)} in {files.file_of[name]}, {list(expected)} in the model"
+            )
+    directory = files.directory
+    if differing:
+        more = f" (and {len(differing) - 2} more)" if len(differing) > 2 else ""
+        raise ConfigurationError(
+            f"{files.source}: the model {directory / 'config.json'} describes does not fit the weights "
+            f"beside it: {'; '.join(differing[:2])}{more}. Use the config.json saved with these weights, "
+            "without config_overrides that change the model's shape."
+        )
+    if exact and unused:
+        held_in = sorted({str(files.file_of[name]) for name in unused})
+        raise ConfigurationError(
+            f"{files.source}: {_shown(unused)} in {_shown(held_in, 2)} have no place in the "
+            f"{type(model).__name__} that {directory / 'config.json'} describes (fewer layers than the "
+            "weights?), and under init_on_meta they would be dropped without a word. Use the config.json "
+            "saved with these weights, or save only the tensors the model has."
+        )
+
+
+def check_pretrained(
+    pretrained_model_name_or_path: Any,
+    auto_class: Any = "AutoModelForCausalLM",
+    config_overrides: Optional[Mapping[str, Any]] = None,
+    *,
+    init_on_meta: bool = False,
+) -> None:
+    """
+    The inputs of a ``fairscale::from_pretrained`` model, in Tango's main process before any worker
+    starts (``init_on_meta`` as the engine's): the class, the directory (or hub name, see
+    :func:`pretrained_directory`), its ``config.json``, ``config_overrides``, and without
+    ``init_on_meta`` the safetensors headers against the model the config describes (under
+    ``init_on_meta`` pre-flight's build on ``meta`` loads as the workers do, and :func:`_load_files`
+    checks them there). One :class:`ConfigurationError` naming the field or file.
+    """
+    model_class = _model_class(str(auto_class))
+    directory = pretrained_directory(str(pretrained_model_name_or_path))
+    if directory is None:
+        return  # a hub model: transformers fetches it and its files
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ConfigurationError(
+            f"fairscale::from_pretrained: {directory} has no config.json, so which model its weights are "
+            "of is unknown: give the directory save_pretrained wrote (config.json beside the weights)."
+        )
+    from transformers import AutoConfig
+
+    overrides = dict(config_overrides or {})
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+        check_config_overrides(config, overrides, str(config_file))
+        config = AutoConfig.from_pretrained(str(directory), **overrides)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigurationError(
+            f"fairscale::from_pretrained: {config_file} is not a config transformers can read: "
+            f"{_first_line(error)}"
+        ) from None
+    check_auto_class(model_class, str(auto_class), config, str(config_file))
+    in_safetensors = any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX))
+    if init_on_meta or not in_safetensors:
+        return  # weights in another format: transformers reads and checks them
+    files = SafetensorsFiles(directory)
+    with torch.device("meta"):
+        # An Auto class builds from a config with from_config, a model class with its constructor.
+        build = getattr(model_class, "from_config", model_class)
+        model = build(config)
+    check_fits(model, files, exact=False)
+
+
 def _snapshot(repo_id: str, subfolder: str = "", **hub_arguments: Any) -> Path:
     """A hub model's config and safetensors files, downloaded (or found in the cache)."""
     from huggingface_hub import snapshot_download
@@ -227,10 +498,11 @@ def _load_files(model: nn.Module, directory: Path, source: str) -> None:
     """Mark ``model``'s ``meta`` parameters with their tensors in ``directory`` and read its buffers."""
     files = SafetensorsFiles(directory, source)
     mark_from_files(model, files)
+    check_fits(model, files, exact=True)
     load_buffers(model, files)
 
 
-@register_model_constructor("fairscale::from_pretrained")
+@register_model_constructor(PRETRAINED_TYPE)
 def from_pretrained(
     pretrained_model_name_or_path: str,
     auto_class: str = "AutoModelForCausalLM",
@@ -252,8 +524,11 @@ def from_pretrained(
 
     directory = _local_directory(pretrained_model_name_or_path) or _snapshot(pretrained_model_name_or_path)
     config = AutoConfig.from_pretrained(str(directory), **overrides)
-    # Parameters land on meta as they are registered: nothing is allocated or initialised here.
-    model = model_class.from_config(config)
+    check_config_overrides(config, overrides, str(directory / "config.json"))
+    # Parameters land on meta as they are registered: nothing is allocated or initialised here,
+    # and, as in transformers' from_pretrained, no random number is drawn (see not_recorded).
+    with not_recorded():
+        model = model_class.from_config(config)
     _load_files(model, directory, "fairscale::from_pretrained")
     return model  # type: ignore[no-any-return]
 
@@ -345,7 +620,10 @@ def load_on_meta(
     remaining keyword arguments to the model's ``__init__``, tied weights tied, evaluation mode),
     its parameters on ``meta``, each marked with its tensor in the safetensors files and read when
     its unit is materialised, exactly as ``fairscale::from_pretrained`` reads them; persistent
-    buffers and ``generation_config.json`` read now. Arguments that change how or what is loaded
+    buffers and ``generation_config.json`` read now. Like ``from_pretrained`` (transformers 4.57:
+    its modules are created without initialising them), it draws no random number, so a
+    constructor that adds modules after it (peft's adapters, a new head) draws the numbers an eager
+    build draws, and init_on_meta gives them the eager values. Arguments that change how or what is loaded
     (``dtype``, ``device_map``, quantization, adapters, ...) and files that are not safetensors
     are refused, naming them: loading something else than the saved tensors is never silent.
     """
@@ -383,9 +661,11 @@ def load_on_meta(
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     config.name_or_path = name
-    # Parameters land on meta as they are registered: nothing is allocated or initialised here.
-    model = model_class(config, *model_args, **model_kwargs)
-    model.tie_weights()
+    # Parameters land on meta as they are registered: nothing is allocated or initialised here,
+    # and, as in transformers' from_pretrained, no random number is drawn (see not_recorded).
+    with not_recorded():
+        model = model_class(config, *model_args, **model_kwargs)
+        model.tie_weights()
     _load_files(model, directory, source)
     if model.can_generate() and (directory / "generation_config.json").is_file():
         from transformers import GenerationConfig

@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch.distributed as dist
 from tango.common.exceptions import ConfigurationError
@@ -136,8 +136,10 @@ def link_resume_checkpoint(config: TrainConfig, source: Path, has_own_checkpoint
         return
     try:
         source = checkpointing.resolve_checkpoint(source)
+        marker = checkpointing.read_marker(source)
     except checkpointing.CheckpointError as error:
         raise ConfigurationError(f"resume_from_checkpoint: {error}") from None
+    check_within_run(source, marker or {}, config.train_steps)
     # Each host's first worker: each host has its own work directory.
     if config.is_local_main_process:
         config.work_dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +147,25 @@ def link_resume_checkpoint(config: TrainConfig, source: Path, has_own_checkpoint
             config.state_path.unlink()
         config.state_path.symlink_to(source, target_is_directory=True)
     dist.barrier()
+
+
+def check_within_run(checkpoint_dir: Path, marker: Mapping[str, Any], train_steps: Optional[int]) -> None:
+    """
+    ``resume_from_checkpoint`` of a step past the run's last: Tango would train nothing, save the
+    checkpoint as the last step's and write ``weights.pt`` with the later step's weights, without a
+    word. Applied in pre-flight and where the workers link the checkpoint (:func:`link_resume_checkpoint`).
+    """
+    step = marker.get("training_steps")
+    if isinstance(step, bool) or not isinstance(step, int):
+        step = multihost.step_of(checkpoint_dir)
+    if train_steps is None or step is None or step <= train_steps:
+        return
+    raise ConfigurationError(
+        f"training_engine.resume_from_checkpoint: {checkpoint_dir} is of step {step}, past this run's last "
+        f"step (train_steps {train_steps}): nothing would be trained, and the weights saved as step "
+        f"{train_steps}'s would be step {step}'s. Raise train_steps above {step} to train on from it, or "
+        "remove resume_from_checkpoint to train from the start."
+    )
 
 
 def trainer_state_from_another_run(state: Dict[str, object]) -> Dict[str, object]:

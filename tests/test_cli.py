@@ -238,11 +238,13 @@ def test_consolidate_argument_errors(capsys: pytest.CaptureFixture, tmp_path: Pa
     out_dir.mkdir()
     assert f"output {out_dir} is a directory" in fails(capsys, ["consolidate", str(checkpoint), str(out_dir)])
 
+    # A file consolidate did not write: refused, --force or not (it replaces only its own outputs).
     existing = tmp_path / "full.pt"
     existing.write_bytes(b"keep me")
-    assert f"output {existing} already exists: pass --force to overwrite it" in fails(
-        capsys, ["consolidate", str(checkpoint), str(existing)]
-    )
+    for force in ([], ["--force"]):
+        assert f"error: refusing to replace {existing}: it is a file this package did not write" in fails(
+            capsys, ["consolidate", str(checkpoint), str(existing), *force]
+        )
     assert existing.read_bytes() == b"keep me"
 
 
@@ -288,14 +290,22 @@ def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work_dir
 
 
-def test_consolidate_force_overwrites(capsys: pytest.CaptureFixture, work_dir: Path, tmp_path: Path) -> None:
+def test_consolidate_force_replaces_its_earlier_output(
+    capsys: pytest.CaptureFixture, work_dir: Path, tmp_path: Path
+) -> None:
     output = tmp_path / "full.pt"
-    output.write_bytes(b"an older file")
-    assert "already exists" in fails(capsys, ["consolidate", str(work_dir), str(output)])
-    assert output.read_bytes() == b"an older file"
+    # An earlier consolidate's output (with the optimizer state): kept without --force.
+    assert main(["consolidate", str(work_dir), str(output), "--optimizer"]) == 0
+    earlier = output.read_bytes()
+    capsys.readouterr()
+    assert f"error: output {output} already exists: pass --force to replace it" == fails(
+        capsys, ["consolidate", str(work_dir), str(output)]
+    )
+    assert output.read_bytes() == earlier
 
     assert main(["consolidate", str(work_dir), str(output), "--force"]) == 0
     assert "from 2 shards" in capsys.readouterr().out
+    assert output.read_bytes() != earlier
     full = torch.load(output, weights_only=True)
     ToyRegressor(in_features=8, width=32, num_blocks=4).load_state_dict(full, strict=True)
     weights = torch.load(work_dir / "weights.pt", weights_only=True)

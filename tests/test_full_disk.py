@@ -162,7 +162,6 @@ def _intact(checkpoint_dir: Path) -> None:
     checkpointing.verify_files(checkpoint_dir, marker, marker["digests"])
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 @pytest.mark.parametrize("during", ["second checkpoint", "weights.pt"])

@@ -6,18 +6,25 @@ engine fine-tunes ``from_pretrained``'s model, and a fine-tuning run with dropou
 checkpoint and rerun ends as the uninterrupted run. In the test's own workers (:mod:`tests.harness`).
 """
 
+import json
+import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
+from tango.common import Lazy, Params
 from tango.common.exceptions import ConfigurationError
+from tango.integrations.torch import Model
 
 from tango_fairscale.materialize import parameters_on_meta
-from tango_fairscale.pretrained import from_pretrained
+from tango_fairscale.pretrained import check_pretrained, from_pretrained
 from tests import harness
-from tests.helpers import max_abs_difference, train_config
+from tests.helpers import free_port, max_abs_difference, one_line_error, run_tango, tango_env, train_config
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
@@ -241,6 +248,253 @@ def test_a_damaged_safetensors_file_is_refused_naming_it(tmp_path: Path) -> None
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(ConfigurationError, match=r"model\.safetensors is not a safetensors file"):
         SafetensorsFiles(tmp_path)
+
+
+# --- Its inputs, refused before any worker starts (pre-flight's check_pretrained) ---------------------
+
+
+def copy_of(pretrained: Path, to: Path, **config_changes: Any) -> Path:
+    """A copy of the saved model, its config.json changed."""
+    shutil.copytree(pretrained, to)
+    if config_changes:
+        config = json.loads((to / "config.json").read_text())
+        (to / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return to
+
+
+def sharded_copy(pretrained: Path, to: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(pretrained).save_pretrained(to, max_shard_size="40KB")
+    return to
+
+
+def _nowhere(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    return (
+        {"pretrained_model_name_or_path": str(tmp / "nowhere")},
+        f"fairscale::from_pretrained: pretrained_model_name_or_path '{tmp / 'nowhere'}': no such directory. "
+        "Give the directory save_pretrained wrote",
+    )
+
+
+def _a_file(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    return (
+        {"pretrained_model_name_or_path": str(pretrained / "config.json")},
+        f"pretrained_model_name_or_path '{pretrained / 'config.json'}' is a file, not a directory",
+    )
+
+
+def _missing_shard(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    directory = sharded_copy(pretrained, tmp / "sharded")
+    shards = sorted(directory.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    return (
+        {"pretrained_model_name_or_path": str(directory)},
+        f"{directory / 'model.safetensors.index.json'} names shard(s) that are not in {directory}: "
+        f"{shards[1].name}. Copy every shard the index lists into the directory",
+    )
+
+
+def _no_config(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    directory = copy_of(pretrained, tmp / "no_config")
+    (directory / "config.json").unlink()
+    return (
+        {"pretrained_model_name_or_path": str(directory)},
+        f"fairscale::from_pretrained: {directory} has no config.json, so which model its weights are of is "
+        "unknown",
+    )
+
+
+def _auto_class(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    return (
+        {"pretrained_model_name_or_path": str(pretrained), "auto_class": "AutoModelForSeq2SeqLM"},
+        f"auto_class 'AutoModelForSeq2SeqLM' does not build the model of {pretrained / 'config.json'} "
+        "(GPT2Config, model_type 'gpt2'): use one of 'AutoModel', 'AutoModelForCausalLM',",
+    )
+
+
+def _other_shapes(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    directory = copy_of(pretrained, tmp / "wider", n_embd=64)
+    return (
+        {"pretrained_model_name_or_path": str(directory)},
+        f"fairscale::from_pretrained: the model {directory / 'config.json'} describes does not fit the "
+        f"weights beside it: transformer.h.0.attn.c_attn.bias is [96] in {directory / 'model.safetensors'}, "
+        "[192] in the model;",
+    )
+
+
+def _damaged(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    directory = copy_of(pretrained, tmp / "damaged")
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # cut short, as by a full disk or a broken copy
+    return (
+        {"pretrained_model_name_or_path": str(directory)},
+        f"fairscale::from_pretrained: {weights}: ",
+    )
+
+
+def _misspelt_override(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    return (
+        {"pretrained_model_name_or_path": str(pretrained), "config_overrides": {"resid_pdropp": 0.0}},
+        f"config_overrides.resid_pdropp is not a field of GPT2Config ({pretrained / 'config.json'}), so it "
+        "would change nothing: did you mean 'resid_pdrop'?",
+    )
+
+
+#: A bad input of fairscale::from_pretrained, and the start of its one line (after any prefix).
+BAD_INPUTS = {
+    "a directory that does not exist": _nowhere,
+    "a file": _a_file,
+    "a shard missing": _missing_shard,
+    "no config.json": _no_config,
+    "an auto_class that does not fit": _auto_class,
+    "a config.json of other shapes": _other_shapes,
+    "a damaged safetensors file": _damaged,
+    "a misspelt config_overrides field": _misspelt_override,
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_are_refused_in_preflight_in_one_line(case: str, pretrained: Path, tmp_path: Path) -> None:
+    """
+    Each was found only inside every worker, as a 75-412-line traceback (a missing path as an
+    HFValidationError about repo ids; a damaged file without init_on_meta not named), or not at all
+    (a misspelt override did nothing).
+    """
+    from tango_fairscale.preflight import check_pretrained_models
+
+    options, message = BAD_INPUTS[case](pretrained, tmp_path)
+    model = Lazy(Model, Params({"type": "fairscale::from_pretrained", **options}))
+    with pytest.raises(ConfigurationError) as raised:
+        check_pretrained_models(model, init_on_meta=False)
+    text = str(raised.value)
+    assert "\n" not in text and message in text, text
+    print(f"{case}: {text}")
+
+
+def test_good_inputs_pass_preflight(pretrained: Path, tmp_path: Path) -> None:
+    sharded = sharded_copy(pretrained, tmp_path / "sharded")
+    for directory, init_on_meta in (
+        (pretrained, False),
+        (pretrained, True),
+        (sharded, False),
+        (sharded, True),
+    ):
+        check_pretrained(str(directory), init_on_meta=init_on_meta)
+    # A field by its alias, and transformers' own argument for the attention.
+    check_pretrained(
+        str(pretrained), config_overrides={"num_hidden_layers": 3, "attn_implementation": "eager"}
+    )
+    check_pretrained(str(pretrained), auto_class="GPT2LMHeadModel")
+
+
+def test_the_workers_loading_under_init_on_meta_applies_the_same_rules(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """Under init_on_meta the loading itself (pre-flight's build on meta, each worker's) refuses them."""
+    for make in (_missing_shard, _other_shapes, _misspelt_override):
+        options, message = make(pretrained, tmp_path)
+        with parameters_on_meta(), pytest.raises(ConfigurationError) as raised:
+            from_pretrained(**options)
+        assert message in str(raised.value), str(raised.value)
+
+
+def test_fewer_layers_in_config_json_under_init_on_meta_is_refused(pretrained: Path, tmp_path: Path) -> None:
+    """
+    The model built from a config.json of 2 layers took the 3-layer weights' first 2 layers and
+    trained without the third's, without a word (loading without init_on_meta, transformers warns).
+    """
+    from tests.test_validation import run_preflight
+
+    directory = copy_of(pretrained, tmp_path / "two_layers", n_layer=2)
+    expected = (
+        "fairscale::from_pretrained: transformer.h.2.attn.c_attn.bias, transformer.h.2.attn.c_attn.weight, "
+        "transformer.h.2.attn.c_proj.bias, transformer.h.2.attn.c_proj.weight, transformer.h.2.ln_1.bias and "
+        f"7 more in {directory / 'model.safetensors'} have no place in the GPT2LMHeadModel that "
+        f"{directory / 'config.json'} describes (fewer layers than the weights?), and under init_on_meta "
+        "they would be dropped without a word."
+    )
+    with parameters_on_meta(), pytest.raises(ConfigurationError) as raised:
+        from_pretrained(str(directory))
+    assert str(raised.value).startswith(expected), str(raised.value)
+    # Before any worker starts: pre-flight builds the model on meta as the workers do.
+    config = experiment(directory, "fairscale", lr=0.01)
+    with pytest.raises(ConfigurationError) as raised:
+        run_preflight(config)
+    assert str(raised.value).startswith(f"ConfigurationError: {expected}"), str(raised.value)
+    # Without init_on_meta it is transformers' to warn about: pre-flight lets it through.
+    check_pretrained(str(directory), init_on_meta=False)
+
+
+def test_a_hub_name_is_read_from_the_cache_or_refused_at_once_offline(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """
+    With HF_HUB_OFFLINE set, a hub name the Hugging Face cache lacks is refused at once, and one it
+    holds passes and loads from it (in a process of its own: huggingface_hub and transformers read
+    the variables when imported).
+    """
+    # The cache's layout: a snapshot per commit, and the commit of the branch.
+    repo = tmp_path / "hub" / "models--nobody--cached"
+    shutil.copytree(pretrained, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    script = """
+import time
+import huggingface_hub, transformers.utils  # imported first: the check's own time is measured
+from tango.common.exceptions import ConfigurationError
+from tango_fairscale.pretrained import check_pretrained, from_pretrained
+start = time.monotonic()
+try:
+    check_pretrained("nobody/not-cached")
+except ConfigurationError as error:
+    print("refused", round(time.monotonic() - start, 1), error)
+check_pretrained("nobody/cached")
+print("loaded", from_pretrained("nobody/cached").lm_head.weight.sum().item())
+"""
+    environment = {**tango_env(), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused, loaded = result.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused "), result.stdout
+    seconds, message = refused.split(" ", 2)[1:]
+    assert float(seconds) < 5
+    assert message == (
+        "fairscale::from_pretrained: pretrained_model_name_or_path 'nobody/not-cached' is not a local "
+        "directory, and HF_HUB_OFFLINE is set while the Hugging Face cache does not hold it. Give a local "
+        "directory save_pretrained wrote, or download the model into the Hugging Face cache "
+        f"({tmp_path / 'hub'}) first (huggingface-cli download nobody/not-cached)."
+    )
+    saved = load_file(str(pretrained / "model.safetensors"))["transformer.wte.weight"]
+    assert loaded == f"loaded {saved.sum().item()}"
+
+
+# The one end-to-end proof: the one line of a real `tango run`, at once (it was 207-412 lines, after
+# 104 s of retries). The hub is a closed local port, so that the test does not depend on the network.
+def test_a_hub_name_without_a_hub_is_one_line_at_once_through_tango_run(
+    pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    config = experiment(pretrained, "fairscale", lr=0.01)
+    config["steps"]["train"]["model"]["model"]["pretrained_model_name_or_path"] = "nobody/no-such-model"
+    start = time.monotonic()
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=300)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    error = one_line_error(output)
+    assert error.startswith(
+        "ConfigurationError: fairscale::from_pretrained: pretrained_model_name_or_path "
+        "'nobody/no-such-model' is not a local directory, and the Hugging Face hub (http://127.0.0.1:"
+    ), error
+    assert "cannot be reached (ConnectionError)" in error and "set HF_HUB_OFFLINE=1" in error, error
+    assert "[rank " not in output and "Retrying" not in output, output[-3000:]
+    print(f"tango run ended after {elapsed:.1f}s: {error}")
 
 
 # --- Through a kill: SIGKILL after a checkpoint, then the same run again ------------------------------

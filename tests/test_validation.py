@@ -198,19 +198,30 @@ def bad_run(change: Callable[[Config], None], tmp_path: Path) -> Any:
 
 def run_preflight(config: Config) -> None:
     """What the step patch does in Tango's main process, on the config's own objects."""
+    from tango import Step
     from tango.common import Lazy, Params
-    from tango.integrations.torch import DataLoader, Model, TrainingEngine
+    from tango.integrations.torch import DataLoader, Model, TrainCallback, TrainingEngine
 
-    from examples.toy.components import RegressionData
+    import examples.toy.components  # noqa: F401 - registers the toy data and model
+    import tests.components  # noqa: F401 - registers the test components
     from tango_fairscale.preflight import preflight
 
     step = train(config)
     data = config["steps"]["data"]
-    dataset = RegressionData().run(**{k: v for k, v in data.items() if k != "type"})
+    dataset = Step.by_name(data["type"])().run(**{k: v for k, v in data.items() if k != "type"})
     options = {
         key: value
         for key, value in step.items()
-        if key in ("train_steps", "train_epochs", "checkpoint_every", "validate_every", "grad_accum")
+        if key
+        in (
+            "train_steps",
+            "train_epochs",
+            "checkpoint_every",
+            "validate_every",
+            "grad_accum",
+            "train_split",
+            "validation_split",
+        )
     }
     preflight(
         model=Lazy(Model, Params(step["model"])),
@@ -218,6 +229,7 @@ def run_preflight(config: Config) -> None:
         dataset_dict=dataset,
         train_dataloader=Lazy(DataLoader, Params(step["train_dataloader"])),
         devices=[-1] * step["device_count"],
+        callbacks=[Lazy(TrainCallback, Params(dict(callback))) for callback in step.get("callbacks", [])],
         **options,
     )
 
@@ -268,6 +280,152 @@ CASES += [
     ),
 ]
 
+
+def callback(**options: Any) -> Callable[[Config], None]:
+    return lambda config: train(config).update(callbacks=[options])
+
+
+def rename_engine_key(old: str, new: str) -> Callable[[Config], None]:
+    def change(config: Config) -> None:
+        options = train(config)["training_engine"]
+        options[new] = options.pop(old)
+
+    return change
+
+
+def drop_engine_key(name: str) -> Callable[[Config], None]:
+    return lambda config: train(config)["training_engine"].pop(name)
+
+
+#: A file, where a callback's directory is expected.
+A_FILE = str(Path(__file__).resolve())
+
+# Found by Tango only inside every worker, each with its traceback (75-412 lines), or not at all.
+CASES += [
+    (
+        "optimizer misspelt",
+        rename_engine_key("optimizer", "optimiser"),
+        "ConfigurationError",
+        "training_engine.optimiser: not an option of the 'fairscale' engine: did you mean 'optimizer'?",
+        True,
+    ),
+    (
+        "unknown engine option",
+        engine(colour="blue"),
+        "ConfigurationError",
+        "training_engine.colour: not an option of the 'fairscale' engine: its options are "
+        "['accumulate_grads_locally', 'amp', 'amp_use_bfloat16', 'backend',",
+        True,
+    ),
+    (
+        "no optimizer",
+        drop_engine_key("optimizer"),
+        "ConfigurationError",
+        "training_engine.optimizer: missing; the 'fairscale' engine needs it (e.g. \"optimizer\": {",
+        True,
+    ),
+    (
+        "validation split the dataset lacks",
+        set_train(validation_split="valid"),
+        "ConfigurationError",
+        "validation_split: the dataset has no split 'valid'; its splits are ['train', 'validation'].",
+        True,
+    ),
+    (
+        "W&B mode that is not one",
+        callback(type="fairscale::wandb", mode="offlin"),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::wandb: mode must be 'online', 'offline', 'disabled', got 'offlin'",
+        True,
+    ),
+    (
+        "W&B dir that is a file",
+        callback(type="fairscale::wandb", mode="offline", dir=A_FILE),
+        "ConfigurationError",
+        f"callbacks[0]: fairscale::wandb: dir {A_FILE!r} is a file: give a directory",
+        True,
+    ),
+    (
+        "W&B dir under a file",
+        callback(type="fairscale::wandb", mode="offline", dir=f"{A_FILE}/wandb"),
+        "ConfigurationError",
+        f"callbacks[0]: fairscale::wandb: dir '{A_FILE}/wandb' lies under {A_FILE}, which is a file",
+        True,
+    ),
+    (
+        "TensorBoard log_dir nobody can create",
+        # Not even root may create anything in another process's /proc directory.
+        callback(type="fairscale::tensorboard", log_dir="/proc/1/tensorboard"),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::tensorboard: log_dir '/proc/1/tensorboard' cannot be created: /proc/1 is "
+        "not writable by this user",
+        True,
+    ),
+    (
+        "TensorBoard every 0",
+        callback(type="fairscale::tensorboard", every=0),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::tensorboard: every must be a whole number, 1 or more, got 0.",
+        True,
+    ),
+    (
+        "profile step 0",
+        callback(type="fairscale::profile", steps=[0, 1]),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::profile: steps must be a list of 1-based step numbers, got [0, 1]",
+        True,
+    ),
+    (
+        "profile negative step",
+        callback(type="fairscale::profile", steps=[-2]),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::profile: steps must be a list of 1-based step numbers, got [-2]",
+        True,
+    ),
+    (
+        "profile steps after the last step",
+        callback(type="fairscale::profile", steps=[5, 6]),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::profile: steps [5, 6] go past the run's last step (train_steps 4), so no "
+        "trace would be written: choose steps from 1 to 4.",
+        True,
+    ),
+    (
+        "profile steps after the last step of train_epochs",
+        # 256 examples, 2 workers, batches of 8 (the sampler drops nothing here): 16 steps an epoch.
+        lambda config: (
+            set_train(train_steps=None, train_epochs=1)(config),
+            callback(type="fairscale::profile", steps=[16, 17])(config),
+        ),
+        "ConfigurationError",
+        "steps [16, 17] go past the run's last step (train_steps 16), so the trace would lack them",
+        True,
+    ),
+    (
+        "memory callback peak_tflops 0",
+        callback(type="fairscale::memory", peak_tflops=0),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::memory: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at "
+        "most 1e+06, got 0.",
+        True,
+    ),
+    (
+        "memory callback peak_tflops 1e308",
+        callback(type="fairscale::memory", peak_tflops=1e308),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::memory: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at "
+        "most 1e+06, got 1e+308.",
+        True,
+    ),
+    (
+        "export_hf of a model that is not a transformers model",
+        engine(export_hf="hf"),
+        "ConfigurationError",
+        "training_engine.export_hf: the step's model holds no transformers model to export",
+        True,
+    ),
+]
+
 MAIN_PROCESS_CASES = [case for case in CASES if case[4]]
 
 
@@ -299,7 +457,6 @@ CLI_CASES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, change, error, fragment, before_spawn",
     CLI_CASES,
@@ -321,7 +478,6 @@ def test_bad_config(
         assert output.count(fragment) == 1 and "Traceback" not in output, output[-3000:]
 
 
-@pytest.mark.slow
 def test_one_worker_failing_ends_the_run_quickly_and_each_warning_is_printed_once(tmp_path: Path) -> None:
     """
     Two things the CLI's output shows, from one ``tango run`` (its start-up is most of its time): a
@@ -375,3 +531,61 @@ def test_a_forward_without_loss_is_refused_by_the_workers(tmp_path: Path) -> Non
     for worker in result.workers:
         assert worker is not None and worker.error is not None, result.describe()
         assert worker.error.startswith(f"{error}: {fragment}"), worker.error
+
+
+def test_valid_callback_options_pass_preflight(tmp_path: Path) -> None:
+    """The callbacks' rules refuse only what cannot work: these options, each at its edge, pass."""
+    callbacks = [
+        {"type": "fairscale::wandb", "mode": "offline", "dir": str(tmp_path / "new" / "wandb"), "every": 1},
+        {"type": "fairscale::tensorboard", "log_dir": str(tmp_path), "every": 4, "final_wait_s": 0},
+        {"type": "fairscale::profile", "steps": [3, 4]},
+        {"type": "fairscale::memory", "peak_tflops": 1e6, "log_every": 0},
+    ]
+    run_preflight(bad_config(set_train(callbacks=callbacks)))
+    assert not (tmp_path / "new").exists()  # checked, not created
+
+
+def fake_checkpoint(directory: Path, step: int, world_size: int = 2) -> Path:
+    """A complete checkpoint as a backend leaves it, its files empty (pre-flight reads the marker)."""
+    from tango_fairscale import checkpointing
+
+    directory.mkdir(parents=True)
+    for worker in range(world_size):
+        checkpointing.worker_file(directory, worker, "model").write_bytes(b"")
+    checkpointing.write_marker(directory, world_size, extra={"training_steps": step, "files": ["model"]})
+    return directory
+
+
+def test_resuming_a_checkpoint_past_the_runs_last_step_is_refused(tmp_path: Path) -> None:
+    """
+    Tango resumed a step-6 checkpoint in a run of 3 steps without a word: it trained nothing, saved
+    ``checkpoint_state_step3`` and wrote a ``weights.pt`` of the 6-step weights.
+    """
+    from tango.common.exceptions import ConfigurationError
+
+    checkpoint = fake_checkpoint(tmp_path / "checkpoint_state_step6", step=6)
+    with pytest.raises(ConfigurationError) as raised:
+        run_preflight(
+            bad_config(
+                lambda config: (
+                    engine(resume_from_checkpoint=str(checkpoint))(config),
+                    set_train(train_steps=3, checkpoint_every=3)(config),
+                )
+            )
+        )
+    assert str(raised.value) == (
+        f"ConfigurationError: training_engine.resume_from_checkpoint: {checkpoint} is of step 6, past this "
+        "run's last step (train_steps 3): nothing would be trained, and the weights saved as step 3's would "
+        "be step 6's. Raise train_steps above 6 to train on from it, or remove resume_from_checkpoint to "
+        "train from the start."
+    )
+    # Its own last step (nothing left to train, as for any finished run), or later: it resumes.
+    for steps in (6, 8):
+        run_preflight(
+            bad_config(
+                lambda config, steps=steps: (
+                    engine(resume_from_checkpoint=str(checkpoint))(config),
+                    set_train(train_steps=steps)(config),
+                )
+            )
+        )

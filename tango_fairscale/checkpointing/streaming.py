@@ -12,6 +12,11 @@ archive with the pickled object in ``data.pkl``, each storage in ``data/<key>``,
 ``.format_version``, ``.storage_alignment`` and ``byteorder`` records. The pickle rebuilds each
 tensor with ``torch._utils._rebuild_tensor_v2`` from a storage it refers to by key, so it can be
 written before any tensor exists; the storages follow, produced one by one.
+
+Records of the caller's (``records``) go into the same archive: ``torch.load`` reads only the
+records it knows, so a file ``consolidate`` marks as its own (:mod:`tango_fairscale.output_paths`)
+loads as before. Each write first removes the temporaries an interrupted write of the same file
+left (a killed run's ``.weights.pt.PID.HEX.tmp``, the size of the model).
 """
 
 import collections
@@ -20,10 +25,11 @@ import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..output_paths import remove_stale_temporaries
 from .files import atomic_file
 
 
@@ -122,14 +128,17 @@ def stream_save(
     path: Path,
     *,
     progress: Optional[Callable[[TensorEntry], None]] = None,
+    records: Optional[Mapping[str, bytes]] = None,
 ) -> None:
     """
     Write ``{entry.name: tensor}`` to ``path`` as ``torch.save`` would, calling ``produce(entry)``
     for one tensor at a time (aliases are not produced) and writing it before the next. Atomic: the
     file is written beside ``path`` under a temporary name, flushed to disk and renamed over it, so a
     crash leaves the old file or none, never a partial one. ``progress`` is called after each tensor.
+    ``records`` (name: bytes) are written into the archive too.
     """
     data, storages = _pickled(entries)
+    remove_stale_temporaries(Path(path))
     with atomic_file(Path(path)) as handle:
         with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
             archive.write_record("data.pkl", data, len(data))
@@ -153,3 +162,21 @@ def stream_save(
                 del tensor
                 if progress is not None:
                     progress(entry)
+            _write_records(archive, records)
+
+
+def save_with_records(obj: Any, path: Path, records: Mapping[str, bytes]) -> None:
+    """
+    ``torch.save(obj)`` to ``path``, atomically as :func:`stream_save`, with ``records`` (name:
+    bytes) in its archive: ``torch.save``'s own writer and serializer, then the records.
+    """
+    remove_stale_temporaries(Path(path))
+    with atomic_file(Path(path)) as handle:
+        with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
+            torch.serialization._save(obj, archive, pickle, 2, False)  # type: ignore[attr-defined]
+            _write_records(archive, records)
+
+
+def _write_records(archive: Any, records: Optional[Mapping[str, bytes]]) -> None:
+    for name, content in (records or {}).items():
+        archive.write_record(name, content, len(content))
