@@ -45,12 +45,12 @@ DTYPES = {"fp32": "float32", "amp": "float16", "amp_mixed_precision": "float16"}
 def peak_tflops_for(device_name: str, dtype: str = "float16", tf32: bool = False) -> Optional[float]:
     """
     The dense peak in TFLOP/s of a GPU named ``device_name`` for ``dtype`` (float32 on tensor cores
-    with ``tf32``), from the package's table (:data:`tango_fairscale.throughput.GPU_PEAK_TFLOPS`,
+    with ``tf32``), from the package's table (:data:`tango_fairscale.telemetry.peaks.GPU_PEAK_TFLOPS`,
     which the metrics log uses too); None for a GPU the table lacks.
     """
     import torch
 
-    from tango_fairscale.throughput import gpu_peak
+    from tango_fairscale.telemetry.peaks import gpu_peak
 
     peak = gpu_peak(device_name, getattr(torch, dtype), tf32=tf32)
     return None if peak.flops_per_second is None else peak.flops_per_second / 1e12
@@ -129,7 +129,7 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     peak = settings.get("peak_tflops")
     if peak is None and not cuda:
         # A CPU worker: its matmul measured in float32 (fp32 is the only configuration on CPU).
-        from tango_fairscale.throughput import measure_cpu_peak
+        from tango_fairscale.telemetry.peaks import measure_cpu_peak
 
         cpu_peak = measure_cpu_peak(torch.float32).flops_per_second
         peak = None if cpu_peak is None else cpu_peak / 1e12

@@ -5,19 +5,18 @@ collectives) of every training worker, registered as the ``torch::train`` callba
 """
 
 import json
-import resource
-import sys
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
+from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainCallback
 
-from . import throughput
 from .checkpointing import random_state
-from .cpu.timing import CollectiveTotals
+from .telemetry.callback import TelemetryCallback
+from .telemetry.core import peak_memory_mib
+from .telemetry.figures import Window, mfu, worker_figures
+from .telemetry.record import StepRecord
 
 __all__ = ["MemoryCallback", "WorkerStats", "format_summary", "peak_memory_mib"]
 
@@ -25,19 +24,26 @@ __all__ = ["MemoryCallback", "WorkerStats", "format_summary", "peak_memory_mib"]
 SUMMARY_FILE_NAME = "memory_summary.json"
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """
-    The peak memory of this process so far, in MiB.
+#: The largest ``peak_tflops`` a callback takes: 1 EFLOP/s per worker, far above any accelerator.
+MAX_PEAK_TFLOPS = 1e6
 
-    On a CUDA device, the most memory that tensors have occupied on it
-    (:func:`torch.cuda.max_memory_allocated`). Otherwise the peak resident set size of the
-    process: the whole process (interpreter, libraries, data), not only tensors.
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux but in bytes on macOS.
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+def check_peak_tflops(owner: str, value: Any) -> None:
+    """A callback's ``peak_tflops``: unset, or one worker's peak in TFLOP/s (a finite MFU's denominator)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PEAK_TFLOPS:
+        raise ConfigurationError(
+            f"{owner}: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at most "
+            f"{MAX_PEAK_TFLOPS:g}, got {value!r}. Remove it to take the peak from the table of GPUs (or "
+            "the measurement on CPU workers)."
+        )
+
+
+def check_whole_number(owner: str, name: str, value: Any, least: int) -> None:
+    """A callback's whole-number option: unset, or an ``int`` of at least ``least``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        raise ConfigurationError(f"{owner}: {name} must be a whole number, {least} or more, got {value!r}.")
 
 
 @dataclass
@@ -63,11 +69,11 @@ class WorkerStats:
     """Wall time of those training steps: data loading, forward, backward and optimizer step."""
 
     tokens: Optional[int] = None
-    """Tokens of those samples (see :func:`~tango_fairscale.throughput.count_tokens`); None for
+    """Tokens of those samples (see :func:`~tango_fairscale.telemetry.tokens.count_tokens`); None for
     batches without ``input_ids`` or ``attention_mask``."""
 
     flops: Optional[float] = None
-    """Model FLOPs of those steps (see :class:`~tango_fairscale.throughput.WorkerMeter`)."""
+    """Model FLOPs of those steps (see :class:`~tango_fairscale.telemetry.flops.FlopMeter`)."""
 
     peak_flops_per_second: Optional[float] = None
     """The worker's peak FLOP/s (table of GPUs, or measured on CPU workers); None where unknown."""
@@ -75,35 +81,39 @@ class WorkerStats:
     collective_seconds: Optional[float] = None
     """Seconds of those steps in FSDP's all-gathers and reduce-scatters; None where not timed."""
 
+    @classmethod
+    def of(cls, record: StepRecord) -> "WorkerStats":
+        """A worker's figures from its ``"end"`` record: every training step of the run."""
+        totals = {name: getattr(record.window, field) for name, field in _WINDOW_FIELDS.items()}
+        return cls(worker=record.rank, device=record.device, peak_memory_mib=record.peak_memory_mib, **totals)
+
+    def window(self) -> Window:
+        """These figures as the telemetry's :class:`~tango_fairscale.telemetry.figures.Window`."""
+        return Window(**{field: getattr(self, name) for name, field in _WINDOW_FIELDS.items()})
+
     @property
     def samples_per_second(self) -> float:
         """``samples / train_seconds``, or 0.0 before any step has finished."""
-        return self.samples / self.train_seconds if self.train_seconds > 0 else 0.0
+        return worker_figures(self.window())["samples_per_second"] or 0.0
 
     @property
     def tokens_per_second(self) -> Optional[float]:
         """``tokens / train_seconds``; None without tokens or before any step has finished."""
-        return (
-            self.tokens / self.train_seconds if self.tokens is not None and self.train_seconds > 0 else None
-        )
+        return worker_figures(self.window())["tokens_per_second"]
 
     @property
     def flops_per_second(self) -> Optional[float]:
         """``flops / train_seconds``; None before the FLOPs are counted."""
-        return self.flops / self.train_seconds if self.flops is not None and self.train_seconds > 0 else None
+        return self.window().per_second(self.flops)
 
     @property
     def mfu(self) -> Optional[float]:
         """Model FLOPs utilisation, ``flops_per_second / peak_flops_per_second``; None if one is unknown."""
-        return throughput.mfu(self.flops_per_second, self.peak_flops_per_second)
+        return worker_figures(self.window())["mfu"]
 
     @property
     def collective_seconds_per_step(self) -> Optional[float]:
-        return (
-            self.collective_seconds / self.steps
-            if self.collective_seconds is not None and self.steps
-            else None
-        )
+        return worker_figures(self.window())["collective_time_s"]
 
     def as_dict(self) -> Dict[str, Any]:
         """The fields and the rates derived from them, as a JSON-friendly dict."""
@@ -114,6 +124,20 @@ class WorkerStats:
             "mfu": self.mfu,
             "collective_seconds_per_step": self.collective_seconds_per_step,
         }
+
+
+#: :class:`WorkerStats`' names of the fields of a :class:`~tango_fairscale.telemetry.figures.Window`.
+_WINDOW_FIELDS = {
+    "steps": "steps",
+    "samples": "samples",
+    "tokens": "tokens",
+    "train_seconds": "seconds",
+    "flops": "flops",
+    "peak_flops_per_second": "peak_flops_per_second",
+    "collective_seconds": "collective_seconds",
+}
+#: The counters :meth:`MemoryCallback.state_dict` saves (a checkpoint's format: kept as it was).
+_STATE_FIELDS = ("samples", "steps", "train_seconds", "tokens", "flops", "collective_seconds")
 
 
 def _optional(value: Optional[float], fmt: str) -> str:
@@ -168,7 +192,7 @@ def format_summary(stats: Sequence[WorkerStats]) -> str:
                 f"{sum(s.samples_per_second for s in stats):.1f}",
                 _optional(None if None in rates else sum(r for r in rates if r is not None), ".1f"),
                 _percent(
-                    throughput.mfu(
+                    mfu(
                         None if None in flops else sum(f for f in flops if f is not None),
                         None if None in peaks else sum(p for p in peaks if p is not None),
                     )
@@ -196,7 +220,7 @@ def format_summary(stats: Sequence[WorkerStats]) -> str:
 
 
 @TrainCallback.register("fairscale::memory", exist_ok=True)
-class MemoryCallback(TrainCallback):
+class MemoryCallback(TelemetryCallback):
     """
     Measures each worker's peak memory and training throughput, logs them every ``log_every``
     steps, and at the end of training prints a table with one row per worker on the main
@@ -213,8 +237,9 @@ class MemoryCallback(TrainCallback):
     and the seconds per step in collectives are those of the metrics log
     (:class:`~tango_fairscale.metrics.MetricsLog`) for this worker, over the same time: tokens
     of batches with ``input_ids`` or an ``attention_mask``, model FLOPs counted on the run's first
-    step, the peak from the table of GPUs or measured on CPU workers
-    (:class:`~tango_fairscale.throughput.WorkerMeter`).
+    step, the peak from the table of GPUs or measured on CPU workers: the step telemetry's
+    figures (:mod:`tango_fairscale.telemetry`), whose route brings every worker's to the main
+    process at the end.
 
     Add it to a ``torch::train`` step with ``callbacks: [{type: "fairscale::memory"}]``.
     The periodic lines are logged at INFO level (``tango --log-level info run ...``); the final
@@ -228,85 +253,67 @@ class MemoryCallback(TrainCallback):
         on CPU workers. Default: none.
     """
 
+    NAME = "fairscale::memory"
+
     def __init__(
         self, *args: Any, log_every: Optional[int] = None, peak_tflops: Optional[float] = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        if log_every is not None and log_every < 0:
-            raise ValueError(f"fairscale::memory: log_every must be >= 0, got {log_every}")
-        if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"fairscale::memory: peak_tflops must be positive, got {peak_tflops}")
+        self.check_options({"log_every": log_every, "peak_tflops": peak_tflops})
         self.log_every = self.train_config.log_every if log_every is None else log_every
-        self.meter = throughput.meter_for(self.train_config, self.training_engine)
-        self.meter.set_peak(None if peak_tflops is None else peak_tflops * 1e12)
-        self.samples = 0
-        self.steps = 0
-        self.train_seconds = 0.0
-        self.tokens: Optional[int] = 0
-        self.flops: Optional[float] = 0.0
-        self.collective_seconds = 0.0
-        self._step_started: Optional[float] = None
-        self._step_samples = 0
-        self._step_tokens: Optional[int] = None
-        self._step_flops: Optional[float] = None
-        self._step_collectives: Optional[CollectiveTotals] = None
+        self.telemetry.set_peak_tflops(peak_tflops)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
+        """
+        The constructor's options by name (absent: the default), in a worker and in pre-flight
+        (:func:`tango_fairscale.preflight.check_callbacks`); ``train_steps`` is not needed here.
+        """
+        check_whole_number(cls.NAME, "log_every", options.get("log_every"), 0)
+        check_peak_tflops(cls.NAME, options.get("peak_tflops"))
 
     @property
     def device(self) -> torch.device:
         """This worker's device."""
         return self.train_config.worker_local_default_device
 
+    # This worker's counters over every training step (a resumed run's earlier ones included).
+
+    @property
+    def samples(self) -> int:
+        return self.telemetry.totals.samples
+
+    @property
+    def steps(self) -> int:
+        return self.telemetry.totals.steps
+
+    @property
+    def train_seconds(self) -> float:
+        return self.telemetry.totals.seconds
+
+    @property
+    def tokens(self) -> Optional[int]:
+        return self.telemetry.totals.tokens
+
+    @property
+    def flops(self) -> Optional[float]:
+        return self.telemetry.totals.flops
+
     def stats(self) -> WorkerStats:
         """This worker's numbers so far."""
+        totals = {name: getattr(self.telemetry.totals, field) for name, field in _WINDOW_FIELDS.items()}
         return WorkerStats(
-            worker=self.train_config.worker_id,
+            worker=self.telemetry.rank,
             device=str(self.device),
             peak_memory_mib=peak_memory_mib(self.device),
-            samples=self.samples,
-            steps=self.steps,
-            train_seconds=self.train_seconds,
-            tokens=self.tokens if self.steps else None,
-            flops=self.flops if self.steps else None,
-            peak_flops_per_second=self.meter.peak().flops_per_second,
-            collective_seconds=self.collective_seconds if self.meter.collectives_timed() else None,
+            **{**totals, "peak_flops_per_second": self.telemetry.peak().flops_per_second},
         )
-
-    def _finish_step(self) -> None:
-        # A step ends where the next one starts, so the optimizer step and the loading of the
-        # next batch count; a validation loop or the end of training also ends it.
-        if self._step_started is None:
-            return
-        self.train_seconds += time.perf_counter() - self._step_started
-        self.samples += self._step_samples
-        self.tokens = (
-            None if self.tokens is None or self._step_tokens is None else self.tokens + self._step_tokens
-        )
-        self.flops = None if self.flops is None or self._step_flops is None else self.flops + self._step_flops
-        if self._step_collectives is not None:
-            self.collective_seconds += self.meter.collectives().since(self._step_collectives).total_seconds
-        self.steps += 1
-        self._step_started = None
-
-    def pre_train_loop(self) -> None:
-        """Finds this worker's peak FLOP/s: on CPU workers, all workers measure at once, as they train."""
-        self.meter.peak()
-
-    def pre_batch(self, step: int, epoch: int, batch: List[Dict[str, Any]]) -> None:
-        """Starts timing the step and counts the samples and tokens of its micro-batches."""
-        self._finish_step()
-        self.meter.start_step(step, batch)
-        self._step_samples = self.meter.step_samples()
-        self._step_tokens = self.meter.step_tokens()
-        self._step_flops = None
-        self._step_collectives = self.meter.collectives()
-        self._step_started = time.perf_counter()
 
     def post_batch(
         self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
     ) -> None:
         """Logs this worker's numbers every ``log_every`` steps."""
-        self.meter.end_forward_backward(step)
-        self._step_flops = self.meter.step_flops()
+        super().post_batch(step, epoch, batch_loss, batch_outputs)
         if self.log_every and (step + 1) % self.log_every == 0:
             stats = self.stats()
             # Throughput up to the previous step: this one's optimizer step has not run yet.
@@ -323,26 +330,14 @@ class MemoryCallback(TrainCallback):
                 _optional(stats.collective_seconds_per_step, ".3f"),
             )
 
-    def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
-        """Stops the clock for the validation loop."""
-        self._finish_step()
-
-    def post_train_loop(self, step: int, epoch: int) -> None:
+    def receive(self, records: List[StepRecord]) -> None:
         """
-        Gathers every worker's numbers on the main process, which prints the table and writes
-        ``memory_summary.json``. Every worker must get here: the gathering is a collective.
+        At the end of training, on the main process: every worker's end record (its figures over
+        every step), printed as the table and written to ``memory_summary.json``.
         """
-        self._finish_step()
-        local = self.stats()
-        gathered: List[Optional[WorkerStats]]
-        if self.train_config.is_distributed and dist.is_available() and dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
-        else:
-            gathered = [local]
-        if not self.is_local_main_process:
+        if self.own(records).kind != "end":
             return
-        stats = [s for s in gathered if s is not None]
+        stats = [WorkerStats.of(record) for record in records]
         table = format_summary(stats)
         # print, not the logger: Tango logs only warnings unless --log-level is given, and this
         # table is what the callback is for.
@@ -353,24 +348,18 @@ class MemoryCallback(TrainCallback):
 
     def state_dict(self) -> Dict[str, Any]:
         """The counters, so that a resumed run's rates cover the steps before the restart too."""
-        return {
-            "samples": self.samples,
-            "steps": self.steps,
-            "train_seconds": self.train_seconds,
-            "tokens": self.tokens,
-            "flops": self.flops,
-            "collective_seconds": self.collective_seconds,
-        }
+        super().state_dict()
+        totals = self.telemetry.totals
+        return {name: getattr(totals, _WINDOW_FIELDS[name]) for name in _STATE_FIELDS}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores the counters saved by :meth:`state_dict` (a checkpoint from before tokens were
         counted restores no tokens, FLOPs or collective time: those figures then stay unknown)."""
-        self.samples = state_dict.get("samples", 0)
-        self.steps = state_dict.get("steps", 0)
-        self.train_seconds = state_dict.get("train_seconds", 0.0)
-        self.tokens = state_dict.get("tokens")
-        self.flops = state_dict.get("flops")
-        self.collective_seconds = state_dict.get("collective_seconds", 0.0)
+        defaults: Dict[str, Any] = {"samples": 0, "steps": 0, "train_seconds": 0.0, "collective_seconds": 0.0}
+        restored: Dict[str, Any] = {
+            _WINDOW_FIELDS[name]: state_dict.get(name, defaults.get(name)) for name in _STATE_FIELDS
+        }
+        self.telemetry.restore_totals(Window(**restored))
 
 
 @TrainCallback.register("fairscale::restore_random_state")

@@ -1,27 +1,27 @@
 """
 :class:`MetricsLog`: a per-step metrics log of a ``torch::train`` step, as JSON lines in the
-step's work directory, registered as the callback ``"fairscale::metrics"``; and
-:func:`read_metrics` / :func:`plot_metrics`, which ``python -m tango_fairscale plot`` uses.
+step's work directory, registered as the callback ``"fairscale::metrics"``, which reads the step
+telemetry (:mod:`tango_fairscale.telemetry`); and :func:`read_metrics`, which reads the file
+back (``python -m tango_fairscale plot`` draws it: :mod:`tango_fairscale.plotting`).
 """
 
 import json
 import math
-import numbers
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-import torch.distributed as dist
 from tango.integrations.torch import TrainCallback
 
-from .callbacks import peak_memory_mib
 from .cpu.memory import malloc_advises_huge_pages
-from .throughput import StepWindow, Window, combine, meter_for
+from .cpu.threads import describe_threads
+from .telemetry.callback import TelemetryCallback
+from .telemetry.core import RankWindows, is_logged
+from .telemetry.figures import finite, scalar
+from .telemetry.record import MeterInfo, StepRecord, mean_loss, mean_outputs, train_figures
 
-__all__ = ["METRICS_FILE_NAME", "MetricsLog", "plot_metrics", "read_metrics"]
+__all__ = ["METRICS_FILE_NAME", "MetricsLog", "read_metrics"]
 
 #: The file, in the training step's work directory, that :class:`MetricsLog` appends to.
 METRICS_FILE_NAME = "metrics.jsonl"
@@ -46,67 +46,12 @@ RESERVED_FIELDS = (
     "time",
 )
 
-#: Fields of a line that are not metrics (not plotted).
-NON_METRIC_FIELDS = ("step", "epoch", "kind", "time")
-
 #: The kinds of lines that hold metrics over the steps (a ``run`` line describes a run instead).
 METRIC_KINDS = ("train", "validation")
 
 
-def _scalar(value: Any) -> Optional[float]:
-    """``value`` as a float if it is a single number (a one-element tensor, an int or a float), else None."""
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item()) if value.numel() == 1 else None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:  # an integer beyond float's range (a hostile or corrupt line)
-            return None
-    return None
-
-
-def _sums(outputs: Iterable[Mapping[str, Any]]) -> Dict[str, Tuple[float, int]]:
-    """Per key of ``outputs``' scalar values: their sum and how many there were."""
-    sums: Dict[str, Tuple[float, int]] = {}
-    for output in outputs:
-        for key, value in output.items():
-            number = _scalar(value)
-            if number is not None:
-                total, count = sums.get(key, (0.0, 0))
-                sums[key] = (total + number, count + 1)
-    return sums
-
-
-def _merge_means(per_worker: Sequence[Mapping[str, Tuple[float, int]]]) -> Dict[str, float]:
-    """The mean of each key over every value that every worker summed, keys in first-seen order."""
-    merged: Dict[str, Tuple[float, int]] = {}
-    for sums in per_worker:
-        for key, (total, count) in sums.items():
-            old_total, old_count = merged.get(key, (0.0, 0))
-            merged[key] = (old_total + total, old_count + count)
-    return {key: total / count for key, (total, count) in merged.items() if count}
-
-
-def _finite(value: Optional[float]) -> Optional[float]:
-    # JSON has no NaN or infinity: such values are written as null, which keeps each line
-    # readable by any JSON parser.
-    return value if value is not None and math.isfinite(value) else None
-
-
-@dataclass
-class _Pending:
-    """A training step whose line waits for its optimizer step to finish."""
-
-    step: int  # Tango's 0-based step index
-    epoch: int
-    local_loss: float
-    outputs: Dict[str, Tuple[float, int]]
-    lr: Optional[float]
-    mean_loss: Optional[float] = None  # Tango's loss averaged over workers, when log_batch got it
-
-
 @TrainCallback.register("fairscale::metrics", exist_ok=True)
-class MetricsLog(TrainCallback):
+class MetricsLog(TelemetryCallback):
     """
     Appends one JSON line per training step (and one per validation) to ``metrics.jsonl`` in
     the step's work directory, on worker 0. Works with any training engine (``"fairscale"``,
@@ -146,7 +91,7 @@ class MetricsLog(TrainCallback):
       workers together, counted by :class:`torch.utils.flop_counter.FlopCounterMode` over the
       forward and backward passes of the run's first step as they execute (recomputed forward
       passes of activation checkpointing included), other steps scaled by their sequence
-      positions or samples (see :class:`~tango_fairscale.throughput.WorkerMeter`);
+      positions or samples (see :class:`~tango_fairscale.telemetry.flops.FlopMeter`);
     - ``mfu``: ``model_flops_per_second`` over the sum of the workers' peak FLOP/s: a table of
       dense peaks on GPUs (``null`` for a GPU not in it), a matmul measured once per run on CPU
       workers, or ``peak_tflops``;
@@ -154,7 +99,7 @@ class MetricsLog(TrainCallback):
       slowest worker (CPU workers of the ``"fairscale"`` engine, either backend; ``null`` where
       they are not timed: on GPUs and with other engines);
     - ``peak_memory_mib``: the highest peak memory of any worker so far
-      (:func:`~tango_fairscale.callbacks.peak_memory_mib`: allocated CUDA memory on GPUs, the
+      (:func:`~tango_fairscale.telemetry.core.peak_memory_mib`: allocated CUDA memory on GPUs, the
       process's resident set size on CPU workers), measured after the step's optimizer step;
     - ``time``: the Unix time at which the line was written.
 
@@ -166,17 +111,26 @@ class MetricsLog(TrainCallback):
     step and its FLOPs, all workers), ``tokens`` (what is counted as tokens, or that there are
     none), ``collectives`` (what is timed) and ``malloc_huge_pages`` (whether worker 0's malloc
     advises transparent huge pages, as CPU workers spawned by ``tango run`` do:
-    :func:`~tango_fairscale.cpu.memory.cpu_worker_environment`).
+    :func:`~tango_fairscale.cpu.memory.cpu_worker_environment`) and ``threads`` (worker 0's torch
+    intra-op threads, ``intra_op``, and where the number came from, ``source``: the engine's
+    ``cpu_threads_per_worker``, ``OMP_NUM_THREADS``, the worker's share of the host's cores, or
+    torch's default: :mod:`tango_fairscale.cpu.threads`).
 
     A validation line (``"kind": "validation"``), after each validation loop, has ``step``,
     ``epoch``, ``time``, ``val_<name>`` for every scalar the model returned in validation
     (averaged over all validation batches of all workers), with ``val_<val_metric_name>`` being
-    Tango's own validation metric, and ``best_val_<val_metric_name>``.
+    Tango's own validation metric, and ``best_val_<val_metric_name>``. The validation before the
+    first step (the callback ``fairscale::validate_first``: the model's loss before any training)
+    is a validation line of ``step`` 0 with ``"baseline": true`` and no ``best_val_`` value (Tango
+    picks the best checkpoint among those it saves, and step 0 has none).
 
     A step's line is written once its optimizer step is done, when the next step (or a
     validation loop, a checkpoint, or the end of training) starts; each line is flushed as it is written, so
     a crashed run keeps the lines of the steps it finished. Non-finite numbers are written as
-    ``null``. Writing a line takes one small ``all_gather_object`` over the workers.
+    ``null``. The workers' figures come from the step telemetry (:mod:`tango_fairscale.telemetry`):
+    every worker puts its record of a step in the run's rendezvous store, and worker 0 (each host's
+    first worker, across hosts) waits for the others' records before it writes the step's line
+    (the other workers never wait).
 
     **Resuming.** The file always describes the run that continues: when a run starts, it first
     drops every line whose ``step`` is greater than the number of steps already done, that is
@@ -194,6 +148,10 @@ class MetricsLog(TrainCallback):
         CPU workers (for a GPU the table lacks). Default: none.
     """
 
+    NAME = "fairscale::metrics"
+    # A crashed run keeps the lines of the steps it finished: each is written as its step ends.
+    waits_each_step = True
+
     def __init__(
         self, *args: Any, every: int = 1, peak_tflops: Optional[float] = None, **kwargs: Any
     ) -> None:
@@ -203,161 +161,88 @@ class MetricsLog(TrainCallback):
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"fairscale::metrics: peak_tflops must be positive, got {peak_tflops}")
         self.every = every
-        self.meter = meter_for(self.train_config, self.training_engine)
-        self.meter.set_peak(None if peak_tflops is None else peak_tflops * 1e12)
+        self.telemetry.set_peak_tflops(peak_tflops)
         self._started = False
-        self._first_step = 0
         self._described = False  # whether this run's run line was written
-        self._pending: Optional[_Pending] = None
-        self._lr: Optional[float] = None
-        self._window = StepWindow(self.meter)  # this worker's figures since the previous line
-        self._val_sums: Dict[str, Tuple[float, int]] = {}
+        self._infos: Dict[int, MeterInfo] = {}  # each worker's, from its first record of the run
+        self._windows = RankWindows()  # each worker's figures since the previous line
 
     @property
     def path(self) -> Path:
         """The metrics file: ``metrics.jsonl`` in the step's work directory."""
         return self.work_dir / METRICS_FILE_NAME
 
-    # --- Tango's hooks ------------------------------------------------------------------------
-
-    def pre_train_loop(self) -> None:
-        """Finds this worker's peak FLOP/s: on CPU workers, all workers measure at once, as they train."""
-        self.meter.peak()
-
     def pre_batch(self, step: int, epoch: int, batch: List[Dict[str, Any]]) -> None:
-        """Writes the previous step's line, and starts counting this step's samples and tokens."""
+        """On the run's first step, drops the lines it will redo (see "Resuming" above)."""
         if not self._started:
             # The first step this run takes is the number of steps done before it (0 unless
             # it resumed): no callback hook gets the resume step more directly.
             self._started = True
-            self._first_step = step
-            if self.is_local_main_process:
+            if self.writes:
                 self._drop_lines_after(step)
-        self._flush()
-        self._window.start_step(step, batch)
-        # Read before the optimizer step: the engine steps the LR scheduler right after it.
-        self._lr = self._current_lr()
-
-    def post_batch(
-        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
-    ) -> None:
-        """Keeps the step's loss and scalar outputs until its optimizer step is done."""
-        self._window.end_forward_backward(step)
-        self._pending = _Pending(step, epoch, batch_loss, _sums(batch_outputs), self._lr)
-
-    def log_batch(
-        self, step: int, epoch: int, batch_loss: float, batch_outputs: List[Dict[str, Any]]
-    ) -> None:
-        """Takes Tango's loss averaged over the workers (this hook only runs on Tango's log steps)."""
-        if self._pending is not None and self._pending.step == step:
-            self._pending.mean_loss = batch_loss
-
-    def pre_val_batch(self, step: int, val_step: int, epoch: int, val_batch: Dict[str, Any]) -> None:
-        """Writes the step's line and stops the clock for the validation loop."""
-        self._flush()
-        self._window.pause()
-        if val_step == 0:
-            self._val_sums = {}
-
-    def post_val_batch(self, step: int, val_step: int, epoch: int, val_batch_outputs: Dict[str, Any]) -> None:
-        """Adds up the validation batch's scalar outputs."""
-        for key, (total, count) in _sums([val_batch_outputs]).items():
-            old_total, old_count = self._val_sums.get(key, (0.0, 0))
-            self._val_sums[key] = (old_total + total, old_count + count)
-
-    def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
-        """Writes the validation line."""
-        self._flush()  # in case the loop had no batches
-        self._window.pause()
-        per_worker = self._gather(self._val_sums)
-        self._val_sums = {}
-        if not self.is_local_main_process:
-            return
-        name = self.train_config.val_metric_name
-        line: Dict[str, Any] = {"step": step + 1, "epoch": epoch, "kind": "validation"}
-        line.update({f"val_{key}": value for key, value in _merge_means(per_worker).items()})
-        # Tango's values: what it compares to pick the best checkpoint.
-        line[f"val_{name}"] = val_metric
-        line[f"best_val_{name}"] = best_val_metric
-        line["time"] = time.time()
-        self._append(line)
-
-    def post_train_loop(self, step: int, epoch: int) -> None:
-        """Writes the last step's line."""
-        self._flush()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """
-        Writes the pending step's line. Tango asks every callback for its state on every worker
-        just before it saves a checkpoint: a run killed after that checkpoint resumes after this
-        step and never redoes it, so its line must be in the file before the save.
-        """
-        self._flush()
-        return super().state_dict()
+        super().pre_batch(step, epoch, batch)
 
     # --- the lines ----------------------------------------------------------------------------
 
-    def _should_write(self, step: int) -> bool:
-        last = self.train_config.train_steps
-        return step == 0 or (step + 1) % self.every == 0 or (last is not None and step == last - 1)
+    def receive(self, records: List[StepRecord]) -> None:
+        """Writes the line of a step (on logged steps) or of a validation, from every worker's record."""
+        own = self.own(records)
+        if own.kind == "train":
+            self._train_line(records, own)
+        elif own.kind in ("validation", "baseline"):
+            self._validation_line(records, own)
 
-    def _flush(self) -> None:
-        """
-        Write the pending step's line. Every worker calls this at the same points (Tango calls
-        every hook on every worker), so the gather inside cannot leave one waiting.
-        """
-        pending, self._pending = self._pending, None
-        if pending is None or not self._should_write(pending.step):
+    def _train_line(self, records: List[StepRecord], own: StepRecord) -> None:
+        for record in records:
+            if record.info is not None:
+                self._infos.setdefault(record.rank, record.info)
+        self._windows.add(records)
+        if not is_logged(own.step - 1, self.every, self.train_config.train_steps):
             return  # the samples and seconds go into the next line
-        local: Dict[str, Any] = {
-            "loss": pending.local_loss,
-            "outputs": pending.outputs,
-            "window": self._window.close(),
-            "peak": peak_memory_mib(self.train_config.worker_local_default_device),
-        }
-        if not self._described:
-            local["info"] = self.meter.info()
-        gathered = self._gather(local)
-        if not self._described:
+        if not self._described and self._infos:
             self._described = True
-            if self.is_local_main_process:
-                self._append(self._run_line([w["info"] for w in gathered]))
-        if not self.is_local_main_process:
-            return
-        loss = pending.mean_loss
-        if loss is None:
-            loss = pending.local_loss
-            if len(gathered) > 1:
-                # As Tango averages it: a float32 sum over the workers, divided by their number.
-                total = torch.tensor([w["loss"] for w in gathered], dtype=torch.float32).sum()
-                loss = total.item() / len(gathered)
+            self._append(self._run_line())
         line: Dict[str, Any] = {
-            "step": pending.step + 1,
-            "epoch": pending.epoch,
+            "step": own.step,
+            "epoch": own.epoch,
             "kind": "train",
-            "loss": loss,
+            "loss": mean_loss(records, own),
         }
-        for key, value in _merge_means([w["outputs"] for w in gathered]).items():
+        for key, value in mean_outputs(records).items():
             if key == "loss":
                 continue  # the same values as Tango's batch loss, which is `loss` already
             line[f"output_{key}" if key in RESERVED_FIELDS else key] = value
-        line["lr"] = pending.lr
-        windows: List[Window] = [w["window"] for w in gathered]
-        line["samples_per_second"] = sum(w.samples / w.seconds for w in windows if w.seconds > 0)
-        line.update(combine(windows))
-        line["peak_memory_mib"] = max(w["peak"] for w in gathered)
+        line["lr"] = own.lr
+        line.update(train_figures(records, list(self._windows.take().values())))
         line["time"] = time.time()
         self._append(line)
 
-    def _run_line(self, infos: List[Any]) -> Dict[str, Any]:
+    def _validation_line(self, records: List[StepRecord], own: StepRecord) -> None:
+        name = self.train_config.val_metric_name
+        line: Dict[str, Any] = {"step": own.step, "epoch": own.epoch, "kind": "validation"}
+        if own.kind == "baseline":
+            # Made only by a run that starts from no checkpoint, which redoes every step: the
+            # lines of an earlier attempt go (the first step's pre_batch then keeps this one).
+            self.path.unlink(missing_ok=True)
+            line["baseline"] = True
+        line.update({f"val_{key}": value for key, value in mean_outputs(records).items()})
+        # Tango's values: what it compares to pick the best checkpoint (a baseline has no checkpoint).
+        line[f"val_{name}"] = own.val_metric
+        if own.kind == "validation":
+            line[f"best_val_{name}"] = own.best_val_metric
+        line["time"] = time.time()
+        self._append(line)
+
+    def _run_line(self) -> Dict[str, Any]:
         """The line that says how this run's figures are made (see the class docstring)."""
+        infos = [info for _, info in sorted(self._infos.items())]
         first = infos[0]
         peaks = [info.peak_flops_per_second for info in infos]
         counted = [info.counted.get("flops") for info in infos]
         return {
-            "step": self._first_step,
+            "step": self.telemetry.first_step,
             "kind": "run",
-            "world_size": len(infos),
+            "world_size": self.telemetry.world_size,
             "device": first.device,
             "compute_dtype": first.compute_dtype,
             "peak_flops_per_second": None if None in peaks else sum(peaks),
@@ -371,25 +256,12 @@ class MetricsLog(TrainCallback):
             "tokens": first.tokens,
             "collectives": first.collectives,
             "malloc_huge_pages": malloc_advises_huge_pages(),
+            "threads": describe_threads(),
             "time": time.time(),
         }
 
-    def _current_lr(self) -> Optional[float]:
-        optimizer = getattr(self.training_engine, "optimizer", None)
-        groups = getattr(optimizer, "param_groups", None)
-        if not groups:
-            return None
-        return _scalar(groups[0].get("lr"))
-
-    def _gather(self, local: Any) -> List[Any]:
-        if self.train_config.is_distributed and dist.is_available() and dist.is_initialized():
-            gathered: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
-            return gathered
-        return [local]
-
     def _append(self, line: Dict[str, Any]) -> None:
-        line = {key: _finite(value) if isinstance(value, float) else value for key, value in line.items()}
+        line = {key: finite(value) if isinstance(value, float) else value for key, value in line.items()}
         # Opened, written and flushed per line: a crash (of this process) loses no finished line.
         with open(self.path, "a") as handle:
             handle.write(json.dumps(line, allow_nan=False) + "\n")
@@ -416,7 +288,7 @@ class MetricsLog(TrainCallback):
         os.replace(temporary, self.path)
 
 
-# --- reading and plotting ---------------------------------------------------------------------
+# --- reading ----------------------------------------------------------------------------------
 
 
 def read_metrics(path: Path) -> Tuple[List[Dict[str, Any]], int]:
@@ -431,75 +303,9 @@ def read_metrics(path: Path) -> Tuple[List[Dict[str, Any]], int]:
         except json.JSONDecodeError:
             skipped += 1
             continue
-        step = _scalar(line.get("step")) if isinstance(line, dict) else None
+        step = scalar(line.get("step")) if isinstance(line, dict) else None
         if step is not None and math.isfinite(step):
             lines.append(line)
         else:
             skipped += 1
     return lines, skipped
-
-
-def metric_keys(lines: Iterable[Mapping[str, Any]]) -> List[str]:
-    """The numeric fields of ``lines`` (not ``step``, ``epoch``, ``time``), in first-seen order."""
-    keys: Dict[str, None] = {}
-    for line in lines:
-        if line.get("kind", "train") not in METRIC_KINDS:
-            continue
-        for key, value in line.items():
-            if key not in NON_METRIC_FIELDS and _scalar(value) is not None:
-                keys.setdefault(key)
-    return list(keys)
-
-
-def panel_name(key: str) -> str:
-    """The panel a metric is drawn in: ``val_loss`` and ``best_val_loss`` go with ``loss``."""
-    for prefix in ("best_val_", "val_"):
-        if key.startswith(prefix) and len(key) > len(prefix):
-            return key[len(prefix) :]
-    return key
-
-
-def plot_metrics(
-    lines: Sequence[Mapping[str, Any]], keys: Sequence[str], output: Path, title: str = ""
-) -> List[str]:
-    """
-    Draw ``keys`` of ``lines`` over the steps into the PNG file ``output``: one panel per metric,
-    a metric's validation values (``val_<key>``, ``best_val_<key>``) in its panel. Returns the
-    panels' names. Needs matplotlib (raises ImportError without it); draws with its Agg
-    backend and never touches pyplot's global state.
-    """
-    import matplotlib  # noqa: F401 - imported first so that a missing matplotlib is an ImportError here
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    lines = [line for line in lines if line.get("kind", "train") in METRIC_KINDS]
-    panels: Dict[str, List[str]] = {}
-    for key in keys:
-        panels.setdefault(panel_name(key), []).append(key)
-    columns = 1 if len(panels) == 1 else 2
-    rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(6 * columns, 2.8 * rows + 0.6), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(rows, columns, squeeze=False).flatten()
-    for ax, (name, series) in zip(axes, panels.items()):
-        for key in series:
-            points = [(line["step"], _scalar(line.get(key))) for line in lines]
-            xs = [step for step, value in points if value is not None and math.isfinite(value)]
-            ys = [value for _, value in points if value is not None and math.isfinite(value)]
-            if key.startswith("best_val_"):
-                ax.plot(xs, ys, linestyle="--", drawstyle="steps-post", label="best validation")
-            elif key.startswith("val_"):
-                ax.plot(xs, ys, marker="o", markersize=4, label="validation")
-            else:
-                ax.plot(xs, ys, marker="." if len(xs) <= 50 else None, label="train")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(True, alpha=0.3)
-        if len(series) > 1:
-            ax.legend(fontsize="small")
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
-    if title:
-        figure.suptitle(title, fontsize="medium")
-    figure.savefig(output, format="png", dpi=100)
-    return list(panels)

@@ -64,7 +64,6 @@ def _output(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_example_trains_and_writes_plain_gpt2_weights(trained) -> None:
     result, workspace = trained
@@ -97,7 +96,6 @@ def test_example_trains_and_writes_plain_gpt2_weights(trained) -> None:
     assert abs(loss - curve[-1]["loss"]) < 0.05, (loss, curve)
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_example_prints_memory_summary(trained) -> None:
     result, workspace = trained
@@ -118,7 +116,6 @@ def test_example_prints_memory_summary(trained) -> None:
         assert worker["steps"] == _train_step_config()["train_steps"]
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_generate_prints_text(trained) -> None:
     result, workspace = trained
@@ -245,7 +242,6 @@ def test_memory_callback_is_registered() -> None:
     assert TrainCallback.by_name("fairscale::memory") is MemoryCallback
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_plan_estimate_matches_the_example_run(trained, tmp_path: Path) -> None:
     result, workspace = trained

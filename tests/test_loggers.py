@@ -126,7 +126,6 @@ def test_two_workers_through_a_kill_and_a_rerun(tmp_path: Path, wandb_offline: N
     check_logs(work_dir)
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_two_workers_through_a_kill_and_a_rerun_of_tango_run(tmp_path: Path, wandb_offline: None) -> None:
     # The same through the CLI: the main process and every worker killed together.

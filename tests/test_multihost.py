@@ -469,7 +469,6 @@ def uninterrupted(network: Network, tmp_path_factory: pytest.TempPathFactory) ->
     return _uninterrupted[network.name]
 
 
-@pytest.mark.slow
 def test_two_hosts_train_as_one_host_with_four_workers(
     network: Network, one_host_reference: Dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -490,7 +489,6 @@ def test_two_hosts_train_as_one_host_with_four_workers(
     assert "[rank 2]" in hosts.output(1)
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_lost_host_ends_the_others_and_a_rerun_resumes(
     network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
@@ -525,7 +523,6 @@ def test_lost_host_ends_the_others_and_a_rerun_resumes(
         assert difference <= TOLERANCE
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_torchrun_restarts_a_lost_host(
     network: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
@@ -553,7 +550,6 @@ def test_torchrun_restarts_a_lost_host(
         assert checkpointing.is_complete(final)  # the other host's files hard-linked in
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("difference", ["device_count", "lr"])
 def test_hosts_that_disagree_are_told_so(network: Network, tmp_path: Path, difference: str) -> None:
@@ -612,7 +608,6 @@ def two_workers_on_one_host(tmp_path_factory: pytest.TempPathFactory) -> Dict[st
     }
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_one_worker_per_host_trains_as_one_host_with_two(
@@ -658,7 +653,6 @@ def _consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
     }
 
 
-@pytest.mark.slow
 def test_two_host_checkpoint_resumes_on_one_host(
     loopback: Network, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
@@ -713,7 +707,6 @@ def test_two_host_checkpoint_resumes_on_one_host(
 # --- The torch backend (FSDP2, DCP checkpoints) across hosts ----------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "hybrid",
     # Both extended: four tango runs across two hosts (50 s); the torch backend's host parts are
@@ -774,7 +767,6 @@ def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
 # --- Watching a run across hosts ----------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_wandb_across_hosts_logs_every_worker_from_global_rank_zero(
     network: Network, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

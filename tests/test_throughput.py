@@ -14,44 +14,65 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainConfig
 
 from tango_fairscale.cpu import timing
-from tango_fairscale.loggers.base import MAX_PENDING, RankZeroLogger
-from tango_fairscale.throughput import (
-    Window,
-    combine,
-    count_tokens,
-    gpu_peak,
-    measure_cpu_peak,
-    mfu,
-    worker_figures,
-)
+from tango_fairscale.loggers.base import RankZeroLogger
+from tango_fairscale.telemetry.core import MAX_PENDING
+from tango_fairscale.telemetry.figures import Window, combine, mfu, worker_figures
+from tango_fairscale.telemetry.peaks import GPU_PEAK_TFLOPS, gpu_peak, measure_cpu_peak
+from tango_fairscale.telemetry.tokens import count_tokens
 from tests.helpers import free_port
 
 # --- peaks ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name, dtype, tf32, tflops",
-    [
-        ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4),  # SXM5
-        ("NVIDIA H100 80GB HBM3", torch.float32, False, 67.0),
-        ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7),
-        ("NVIDIA H100 PCIe", torch.float16, False, 756.5),
-        ("NVIDIA H100 NVL", torch.bfloat16, False, 835.5),
-        ("NVIDIA H200", torch.bfloat16, False, 989.4),
-        ("NVIDIA H200 NVL", torch.float16, False, 835.5),
-        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312.0),
-        ("NVIDIA A100-PCIE-40GB", torch.float32, False, 19.5),
-        ("NVIDIA A100-SXM4-40GB", torch.float32, True, 156.0),
-        ("NVIDIA L4", torch.bfloat16, False, 121.0),
-        ("NVIDIA L40S", torch.bfloat16, False, 362.1),  # not the L4's row
-        ("NVIDIA A10G", torch.float16, False, 70.0),  # not the A10's row
-        ("NVIDIA A10", torch.float16, False, 125.0),
-    ],
-)
-def test_gpu_peaks_by_name_and_dtype(name: str, dtype: torch.dtype, tf32: bool, tflops: float) -> None:
+#: Device names as ``torch.cuda.get_device_name()`` gives them, and the row of the table each must
+#: find: the specific forms, not the general ones inside their names.
+DEVICE_ROWS = [
+    ("NVIDIA H100 80GB HBM3", "H100"),  # SXM5
+    ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA H200 NVL", "H200 NVL"),
+    ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100-PCIE-40GB", "A100"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA L40S", "L40S"),  # not the L4's row
+    ("NVIDIA A10G", "A10G"),  # not the A10's row
+    ("NVIDIA A10", "A10"),
+]
+#: The dtypes asked for (float32 with and without tf32) and the table's key for each.
+PEAK_KEYS = [
+    (torch.bfloat16, False, "bfloat16"),
+    (torch.float16, False, "float16"),
+    (torch.float32, False, "float32"),
+    (torch.float32, True, "tf32"),
+]
+
+
+@pytest.mark.parametrize("name, row", DEVICE_ROWS)
+@pytest.mark.parametrize("dtype, tf32, key", PEAK_KEYS)
+def test_gpu_peaks_by_name_and_dtype(name: str, row: str, dtype: torch.dtype, tf32: bool, key: str) -> None:
+    tflops = dict(GPU_PEAK_TFLOPS)[row][key]
     peak = gpu_peak(name, dtype, tf32=tf32)
     assert peak.flops_per_second == tflops * 1e12
-    assert "dense" in peak.source and f"{tflops:g} TFLOP/s" in peak.source
+    assert f"{row}, dense {key}" in peak.source and f"{tflops:g} TFLOP/s" in peak.source
+
+
+def test_the_table_of_gpu_peaks_is_consistent() -> None:
+    # Every row, once, and each found by a device name above.
+    fragments = [fragment for fragment, _ in GPU_PEAK_TFLOPS]
+    assert len(set(fragments)) == len(fragments)
+    assert {row for _, row in DEVICE_ROWS} == set(fragments)
+    # The first fragment in a device's name wins: one that contains another must come first.
+    for index, earlier in enumerate(fragments):
+        for later in fragments[index + 1 :]:
+            assert earlier not in later, f"{later!r} is listed after {earlier!r}, whose row it would get"
+    # Dense tensor-core rates as the data sheets give them: one rate for both 16-bit types, tf32 at
+    # half of it, plain float32 at most tf32's (a sparse or mistyped figure breaks one of these).
+    for fragment, peaks in GPU_PEAK_TFLOPS:
+        assert set(peaks) == {"bfloat16", "float16", "tf32", "float32"}, fragment
+        assert peaks["bfloat16"] == peaks["float16"], fragment
+        assert peaks["tf32"] == pytest.approx(peaks["float16"] / 2, rel=0.02), fragment
+        assert 0 < peaks["float32"] <= peaks["tf32"], fragment
 
 
 def test_unknown_gpus_and_dtypes_leave_mfu_empty_with_a_note() -> None:

@@ -5,7 +5,7 @@ trace per worker.
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from tango.common.exceptions import ConfigurationError
@@ -42,6 +42,8 @@ class ProfileCallback(TrainCallback):
     :param profile_memory: Record tensor allocations.
     """
 
+    NAME = "fairscale::profile"
+
     def __init__(
         self,
         *args: Any,
@@ -54,13 +56,7 @@ class ProfileCallback(TrainCallback):
     ) -> None:
         super().__init__(*args, **kwargs)
         steps = [2] if steps is None else list(steps)
-        if not steps or any(not isinstance(step, int) or step < 1 for step in steps):
-            raise ConfigurationError(f"fairscale::profile: steps must be 1-based step numbers, got {steps}")
-        if sorted(steps) != list(range(min(steps), max(steps) + 1)):
-            raise ConfigurationError(
-                f"fairscale::profile: steps must be consecutive (one recording), got {steps}; "
-                f"e.g. {list(range(min(steps), max(steps) + 1))}"
-            )
+        self.check_options({"steps": steps}, self.train_config.train_steps)
         self.first = min(steps)
         self.last = max(steps)
         self.output_dir = (
@@ -72,6 +68,37 @@ class ProfileCallback(TrainCallback):
         self._profiler: Optional[torch.profiler.profile] = None
         self._step_range: Any = None
         self.trace_path: Optional[Path] = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
+        """
+        The rules on the constructor's options, by name (an absent one: its default), applied by the
+        constructor and by pre-flight (:func:`tango_fairscale.preflight.check_callbacks`) before any
+        worker starts, with the run's ``train_steps`` where known.
+        """
+        given = options.get("steps")
+        steps = [2] if given is None else given
+        if (
+            not isinstance(steps, (list, tuple))
+            or not steps
+            or any(isinstance(step, bool) or not isinstance(step, int) or step < 1 for step in steps)
+        ):
+            raise ConfigurationError(
+                f"{cls.NAME}: steps must be a list of 1-based step numbers, got {steps!r}; e.g. [2, 3]."
+            )
+        if sorted(steps) != list(range(min(steps), max(steps) + 1)):
+            raise ConfigurationError(
+                f"{cls.NAME}: steps must be consecutive (one recording), got {list(steps)}; "
+                f"e.g. {list(range(min(steps), max(steps) + 1))}"
+            )
+        if train_steps is not None and max(steps) > train_steps:
+            # Steps after the last are never recorded; if none is before it, no trace is written at all.
+            outcome = "no trace would be written" if min(steps) > train_steps else "the trace would lack them"
+            raise ConfigurationError(
+                f"{cls.NAME}: steps {list(steps)} go past the run's last step (train_steps {train_steps}), "
+                f"so {outcome}: choose steps from 1 to {train_steps}"
+                f"{' (the default is [2])' if given is None else ''}."
+            )
 
     @property
     def _worker(self) -> int:

@@ -5,12 +5,12 @@ rank 0 with every worker's figures (:class:`~.base.RankZeroLogger`), through
 """
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from tango.integrations.torch import TrainCallback
 
 from .base import RankZeroLogger
-from .wandb_logger import _require
+from .wandb_logger import check_writable_directory
 
 __all__ = ["TensorBoardLogger"]
 
@@ -36,12 +36,9 @@ class TensorBoardLogger(RankZeroLogger):
 
     :param log_dir: The directory of the event files. Default: ``tensorboard`` in the step's work
         directory.
-    :param every: Write a row every this many steps, and for the first and the last step.
-        Default: the step's ``log_every``.
-    :param peak_tflops: Each worker's peak in TFLOP/s for MFU, instead of the table of GPUs or
-        the measurement on CPU workers.
-    :param final_wait_s: At the end of training, seconds rank 0 waits for the other workers' last
-        figures before it writes the last row without them.
+
+    ``every`` (default: the step's ``log_every``), ``peak_tflops`` and ``final_wait_s``: see
+    :class:`~tango_fairscale.loggers.base.RankZeroLogger`.
     """
 
     NAME = "fairscale::tensorboard"
@@ -50,18 +47,22 @@ class TensorBoardLogger(RankZeroLogger):
         self,
         *args: Any,
         log_dir: Optional[str] = None,
-        every: Optional[int] = None,
-        peak_tflops: Optional[float] = None,
-        final_wait_s: float = 30.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, every=every, peak_tflops=peak_tflops, final_wait_s=final_wait_s, **kwargs)
-        if self.is_writer:
-            _require("tensorboard", self.NAME)
+        super().__init__(*args, **kwargs)
+        self.check_options({"log_dir": log_dir})
         self.log_dir = (
             Path(log_dir) if log_dir is not None else Path(self.train_config.work_dir) / "tensorboard"
         )
         self.writer: Any = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
+        super().check_options(options, train_steps)
+        check_writable_directory(cls.NAME, "log_dir", options.get("log_dir"))
+
+    #: torch's SummaryWriter needs it.
+    REQUIRES = "tensorboard"
 
     def open(self, first_step: int) -> int:
         from torch.utils.tensorboard import SummaryWriter

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainCallback
@@ -23,15 +23,29 @@ __all__ = ["WandbLogger", "default_run_id", "logged_steps_offline"]
 
 #: W&B modes in which nothing reaches the server while the run lasts.
 LOCAL_MODES = ("offline", "dryrun", "disabled")
+#: The modes a config may give.
+MODES = ("online", "offline", "disabled")
 
 
-def _require(package: str, name: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(package) is None:
+def check_writable_directory(owner: str, name: str, value: Any) -> None:
+    """
+    A callback's directory option: unset, or a directory this process can write in, or can create
+    (its nearest existing parent is a directory it can write in). Nothing is created here.
+    """
+    if value is None:
+        return
+    path = Path(os.path.expanduser(str(value))).absolute()
+    existing = next(candidate for candidate in (path, *path.parents) if candidate.exists())
+    if not existing.is_dir():
+        problem = "is a file" if existing == path else f"lies under {existing}, which is a file"
         raise ConfigurationError(
-            f"{name} needs the {package} package, which is not installed: "
-            "pip install 'tango-fairscale[loggers]'"
+            f"{owner}: {name} {str(value)!r} {problem}: give a directory (or remove {name})."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        problem = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigurationError(
+            f"{owner}: {name} {str(value)!r} {problem} by this user: give a directory you can write in "
+            f"(or remove {name})."
         )
 
 
@@ -116,15 +130,12 @@ class WandbLogger(RankZeroLogger):
     :param mode: ``"online"``, ``"offline"`` or ``"disabled"``. Default: W&B's (``WANDB_MODE``).
     :param dir: The directory W&B writes its files to. Default: the step's work directory.
     :param run_id: The W&B run id. Default: derived from the step (see above).
-    :param every: Write a row every this many steps, and for the first and the last step.
-        Default: the step's ``log_every``.
-    :param peak_tflops: Each worker's peak in TFLOP/s for MFU, instead of the table of GPUs or
-        the measurement on CPU workers.
-    :param final_wait_s: At the end of training, seconds rank 0 waits for the other workers' last
-        figures before it finishes the run without them.
+    The options of every logger, ``every`` (default: the step's ``log_every``), ``peak_tflops`` and
+    ``final_wait_s``, are :class:`~tango_fairscale.loggers.base.RankZeroLogger`'s.
     """
 
     NAME = "fairscale::wandb"
+    REQUIRES = "wandb"
 
     def __init__(
         self,
@@ -139,18 +150,10 @@ class WandbLogger(RankZeroLogger):
         mode: Optional[str] = None,
         dir: Optional[str] = None,
         run_id: Optional[str] = None,
-        every: Optional[int] = None,
-        peak_tflops: Optional[float] = None,
-        final_wait_s: float = 30.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, every=every, peak_tflops=peak_tflops, final_wait_s=final_wait_s, **kwargs)
-        if self.is_writer:
-            _require("wandb", self.NAME)
-        if mode is not None and mode not in ("online", "offline", "disabled"):
-            raise ConfigurationError(
-                f"{self.NAME}: mode must be 'online', 'offline' or 'disabled', got {mode!r}"
-            )
+        super().__init__(*args, **kwargs)
+        self.check_options({"mode": mode, "dir": dir})
         self.project = project
         self.entity = entity
         self.name = name or self.train_config.step_name
@@ -162,6 +165,17 @@ class WandbLogger(RankZeroLogger):
         self.dir = Path(dir) if dir is not None else Path(self.train_config.work_dir)
         self.run_id = run_id or default_run_id(self.train_config.step_id, self.train_config.work_dir)
         self.run: Any = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
+        super().check_options(options, train_steps)
+        mode = options.get("mode")
+        if mode is not None and mode not in MODES:
+            raise ConfigurationError(
+                f"{cls.NAME}: mode must be {', '.join(repr(m) for m in MODES)}, got {mode!r} (or remove it "
+                "for W&B's own, WANDB_MODE)."
+            )
+        check_writable_directory(cls.NAME, "dir", options.get("dir"))
 
     def open(self, first_step: int) -> int:
         import wandb
