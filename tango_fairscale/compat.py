@@ -10,7 +10,8 @@ there, and refuses with an error naming both otherwise:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
-  frozen and trainable parameters in one unit (F7) and one warning filter.
+  frozen and trainable parameters in one unit (F7), a stopped step told once (T6) and the warning
+  filters (W1-W3).
 - :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -111,12 +112,26 @@ W1. A warnings filter (no rebinding): torch's ``TypedStorage`` deprecation warni
     FairScale's code triggers it.
 W2. A warnings filter: torch's "None of the inputs have requires_grad=True", raised from
     FairScale's checkpoint wrapper, where it is false.
+W3. A warnings filter: setuptools' "pkg_resources is deprecated", raised where Tango's
+    ``tango.step_info`` imports ``pkg_resources`` (every ``tango run``, nothing a user can act on).
+T6. ``tango.step.Step.log_failure`` is wrapped: a step ended by SIGINT or SIGTERM
+    (:class:`tango_fairscale.launch.signals.TrainingStopped`, whose handler logged one line saying
+    so and how to resume) is not logged again, with a traceback and "Step failed", unless the
+    step's logger is at debug level: it is counted in Tango's list of logged exceptions
+    (``tango.common.logging._EXCEPTIONS_LOGGED``), so the run's log capture skips it too. Tango
+    still records the step as failed.
 D1. DCP's private ``DefaultSavePlanner._dedup_save_plans`` and ``_create_global_plan``, which the
     torch backend's per-host planner overrides: checked (:func:`check_dcp_planner_overrides`).
 P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registration` is active
     in any thread: parameters registered by a thread inside
     :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
-    The rebinding is counted process-wide, so one thread leaving cannot remove it under another.
+    Meanwhile ``torch.nn.init``'s :data:`META_SKIPPING_INITIALISERS` (``trunc_normal_``'s helper,
+    ``orthogonal_``, ``dirac_``, ``sparse_``), which return at once on a meta tensor, call the
+    materialiser's stand-in: on a parameter being recorded the call is recorded and run on a
+    scratch tensor, so that it is replayed when the parameter is allocated and the random
+    generator moves as in an eager build (unseen, the parameter would be left to its module's
+    initialiser and every later random draw shifted); elsewhere the function itself. The
+    rebindings are counted process-wide, so one thread leaving cannot remove them under another.
 H1. ``transformers.modeling_utils.Conv1D`` is set to ``transformers.pytorch_utils.Conv1D`` (the
     same class, which GPT-2's layers are) just before Tango's
     ``tango.integrations.transformers.ia3`` module runs, where ``transformers`` no longer has it:
@@ -432,7 +447,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T4, F5-F7, W1, W2), once; ``import
+    Install the patches every process needs (T1-T4, T6, F5-F7, W1-W3), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -451,6 +466,7 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
         _quiet_integration_search()
         _bound_spawn_grace()
         silence_internal_warnings()
+        _quiet_reported_stops()
         _installed = True
 
 
@@ -548,13 +564,31 @@ _original_register_parameter = nn.Module.register_parameter
 _meta_lock = threading.Lock()
 _meta_users = 0
 
+#: P1: the ``torch.nn.init`` functions (torch 2.13) that return at once when given a meta tensor
+#: (``trunc_normal_`` through its helper, which every caller of it reaches however it was imported).
+META_SKIPPING_INITIALISERS = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+_original_initialisers: Dict[str, Callable[..., Any]] = {}
+
+
+def _through(initialiser: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return initialiser(original, *args, **kwargs)
+
+    return call
+
 
 @contextmanager
-def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], None]) -> Iterator[None]:
+def meta_parameter_registration(
+    hook: Callable[[nn.Module, str, nn.Parameter], None],
+    initialiser: Optional[Callable[..., Any]] = None,
+) -> Iterator[None]:
     """
     While active (in any thread), ``nn.Module.register_parameter`` calls ``hook(module, name,
-    param)`` after registering a parameter. The rebinding is shared by all threads and counted,
-    so it is removed only when the last user leaves.
+    param)`` after registering a parameter, and (given ``initialiser``) each of
+    :data:`META_SKIPPING_INITIALISERS` calls ``initialiser(original, *args, **kwargs)``. The
+    rebindings are shared by all threads and counted, so they are removed only when the last user
+    leaves; the first user's functions serve every thread (they check the thread's own state).
     """
     global _meta_users
 
@@ -565,6 +599,11 @@ def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], N
 
     with _meta_lock:
         if _meta_users == 0:
+            if initialiser is not None:
+                _require_attributes(torch.nn.init, META_SKIPPING_INITIALISERS, "P1")
+                for name in META_SKIPPING_INITIALISERS:
+                    _original_initialisers[name] = getattr(torch.nn.init, name)
+                    setattr(torch.nn.init, name, _through(initialiser, _original_initialisers[name]))
             nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
         _meta_users += 1
     try:
@@ -574,6 +613,9 @@ def meta_parameter_registration(hook: Callable[[nn.Module, str, nn.Parameter], N
             _meta_users -= 1
             if _meta_users == 0:
                 nn.Module.register_parameter = _original_register_parameter  # type: ignore[method-assign]
+                for name, original in _original_initialisers.items():
+                    setattr(torch.nn.init, name, original)
+                _original_initialisers.clear()
 
 
 # --- H1, H2: Hugging Face transformers, in the processes that import it ---------------------------------
@@ -784,6 +826,50 @@ def silence_internal_warnings() -> None:
         category=UserWarning,
         module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
     )
+    # W3: Tango imports pkg_resources to record the installed packages of every step it runs, and
+    # setuptools warns that the module is deprecated: one line in every run, about Tango's code.
+    warnings.filterwarnings(
+        "ignore", message="pkg_resources is deprecated", category=Warning, module=r"tango\.step_info"
+    )
+
+
+# --- T6: a stopped step, told once ---------------------------------------------------------------------
+
+
+def _quiet_reported_stops() -> None:
+    """
+    T6: SIGINT or SIGTERM ends a step with
+    :class:`~tango_fairscale.launch.signals.TrainingStopped` after its handler logged one line
+    (what stopped the run, how to resume). Tango's step logs every exception that leaves
+    ``run()`` (``Step.log_failure``): a ``SystemExit`` as "Uncaught exception" with its traceback,
+    then "Step failed"; the run's log capture (``insert_handlers``) logs it again unless Tango
+    counts it as logged. For this one exception, unless the step's logger is at debug level, the
+    wrapper logs nothing and adds it to Tango's own list of logged exceptions
+    (``tango.common.logging._EXCEPTIONS_LOGGED``, which ``log_exception`` consults). Everything
+    else Tango does with it (recording the step as failed) is unchanged.
+    """
+    from tango.common import logging as tango_logging
+    from tango.step import Step
+
+    from .launch.signals import TrainingStopped
+
+    _require_attributes(Step, ("log_failure",), "T6")
+    _require_attributes(tango_logging, ("_EXCEPTIONS_LOGGED",), "T6")
+    if not isinstance(tango_logging._EXCEPTIONS_LOGGED, list):
+        raise IncompatibleVersionError("T6: tango.common.logging._EXCEPTIONS_LOGGED is no longer a list.")
+    original = Step.log_failure
+    if getattr(original, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(original)
+    def log_failure(self: Any, exception: Optional[BaseException] = None) -> None:
+        if isinstance(exception, TrainingStopped) and not self.logger.isEnabledFor(logging.DEBUG):
+            tango_logging._EXCEPTIONS_LOGGED.append(exception)
+            return
+        original(self, exception)
+
+    log_failure._tango_fairscale = True  # type: ignore[attr-defined]
+    Step.log_failure = log_failure  # type: ignore[method-assign]
 
 
 # --- D1: DCP's save planner, overridden by the torch backend -----------------------------------------

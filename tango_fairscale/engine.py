@@ -8,6 +8,7 @@ and holds no branch on which one.
 import gc
 import logging
 import os
+import sys
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +25,7 @@ from tango.integrations.torch import (
     TorchTrainingEngine,
     TrainConfig,
 )
+from tango.integrations.torch.util import move_to_device
 
 from . import compat, resume
 from .backends.base import BackendContext, LoadedCheckpoint
@@ -31,10 +33,19 @@ from .backends.lookup import backend_class
 from .checkpointing import random_state
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth, long_lived_allocations
+from .cpu.threads import apply_threads, choose_threads
 from .devices import devices_are_cpu, worker_computes_on_cpu
-from .hf_export import export_hf, hf_model_in, source_directory, weights_file
+from .hf_export import (
+    export_hf,
+    export_peft_adapter,
+    hf_model_in,
+    peft_model_in,
+    source_directory,
+    weights_file,
+)
 from .launch import HostWorld
 from .options import EngineOptions, amp_dtype
+from .output_paths import export_hf_path
 from .registry import register_training_engine
 
 logger = logging.getLogger(__name__)
@@ -125,11 +136,23 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         their index beyond 5 GB), and the tokenizer files of the directory the model was loaded
         from, if it had them. A relative path is relative to the step's work directory. Needs a
         ``transformers`` model in the step's model (e.g. ``"fairscale::from_pretrained"``). Written
-        one tensor at a time from ``weights.pt``, atomically (by each host's first worker).
+        one tensor at a time from ``weights.pt``, atomically (by each host's first worker). It
+        replaces only an earlier export; any other existing path, and the workspace, the work
+        directory and what the run writes there, are refused in pre-flight
+        (:mod:`tango_fairscale.output_paths`).
     :param verify_checkpoints:
         Check the SHA-256 of every checkpoint file against the marker before resuming from it
         (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
         it). ``false`` checks sizes, headers and shapes only, for checkpoints too large to re-read.
+    :param cpu_threads_per_worker:
+        On CPU workers: the threads torch computes with in each worker (its intra-op threads). By
+        default, ``OMP_NUM_THREADS`` where that is set, else the worker's share of the host's
+        cores: the cores the process may run on (its CPU affinity) divided by the workers on the
+        host, at least 1. torch's own default, every core in every worker, makes the workers'
+        threads compete for the same cores (see :mod:`tango_fairscale.cpu.threads`). Set it above
+        the share when the workers leave cores idle (e.g. while waiting on collectives over a slow
+        network). GPU workers are left alone. The metrics log's run line records the number and
+        where it came from.
     """
 
     def __init__(
@@ -151,6 +174,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         accumulate_grads_locally: bool = _DEFAULTS.accumulate_grads_locally,
         hybrid_sharding: bool = _DEFAULTS.hybrid_sharding,
         export_hf: Optional[str] = _DEFAULTS.export_hf,
+        cpu_threads_per_worker: Optional[int] = _DEFAULTS.cpu_threads_per_worker,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.options = EngineOptions(
@@ -166,6 +190,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             accumulate_grads_locally=accumulate_grads_locally,
             hybrid_sharding=hybrid_sharding,
             export_hf=export_hf,
+            cpu_threads_per_worker=cpu_threads_per_worker,
         )
         self.fsdp_config = fsdp_config or FSDPConfig()
         #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
@@ -199,6 +224,13 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         #: Generator states of the checkpoint resumed from, for RestoreRandomState.
         self.loaded_random_state: Optional[Dict[str, Any]] = None
         self.hybrid_sharding = hybrid_sharding
+        if on_cpu and train_config.is_distributed:
+            # Before the model is built: torch's default of every core in every worker makes the
+            # host's workers compete for its cores.
+            workers_on_host = (
+                self.hosts.local_world_size if self.hosts is not None else train_config.world_size
+            )
+            apply_threads(choose_threads(cpu_threads_per_worker, os.environ, workers_on_host))
         if on_cpu:
             # The backend's threshold for what a step allocates and frees; the model's shards and
             # what a checkpoint loads outlive it (cpu/memory.py).
@@ -242,6 +274,16 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 'a dict with the training loss under "loss" (a scalar tensor).'
             ) from None
 
+    def forward_eval(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        # Tango's, under no_grad instead of inference_mode: FSDP makes some of its state in the
+        # first forward pass, and a tensor made under inference_mode never joins autograd again. A
+        # validation before the first training step (fairscale::validate_first) made FairScale's
+        # units fail their first training forward.
+        batch = move_to_device(batch, self.device)
+        with torch.autocast(self.train_config.device_type, enabled=self.amp, dtype=self.amp_dtype):
+            with torch.no_grad():
+                return self.model(**batch)  # type: ignore[no-any-return]
+
     def backward(self, loss: torch.Tensor) -> None:
         with ExitStack() as stack:
             if not self._sync_gradients:
@@ -259,7 +301,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         return worker_computes_on_cpu()
 
     def _construct_model(self, model: Union[Model, Lazy[Model]]) -> Model:
-        return self.sharding.build(model)  # type: ignore[return-value]
+        built = self.sharding.build(model)
+        name_causal_lm_loss(built)
+        return built  # type: ignore[return-value]
 
     def clip_grad_norm(self) -> None:
         if self.max_grad_norm is not None:
@@ -345,8 +389,21 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         hf_model = hf_model_in(self.model)
         if hf_model is None:
             raise _no_hf_model_error()
-        if not directory.is_absolute():
-            directory = self.train_config.work_dir / directory
+        # The path pre-flight checked (output_paths: what an export may replace).
+        directory = export_hf_path(str(directory), self.train_config.work_dir)
+        peft_model = peft_model_in(self.model)
+        if peft_model is not None:
+            # A LoRA fine-tune: the adapter is what trained, and what peft loads onto the base.
+            logger.info("Writing %s for peft's PeftModel.from_pretrained", directory)
+            export_peft_adapter(
+                weights_file(weights_path),
+                directory,
+                peft_model,
+                base_directory=source_directory(hf_model.config),
+                work_dir=self.train_config.work_dir,
+                label="training_engine.export_hf",
+            )
+            return
         logger.info("Writing %s for transformers' from_pretrained", directory)
         export_hf(
             weights_file(weights_path),
@@ -354,7 +411,34 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             hf_model.config,
             model_class=type(hf_model),
             tokenizer_from=source_directory(hf_model.config),
+            work_dir=self.train_config.work_dir,
+            label="training_engine.export_hf",
         )
+
+
+def name_causal_lm_loss(model: torch.nn.Module) -> None:
+    """
+    transformers (4.57) picks a model's loss from its class name, and the names of GPT-2's
+    ``GPT2LMHeadModel`` and the other ``...LMHeadModel`` causal language models match none: the
+    first forward pass with labels then warns, once in every worker, "`loss_type=None` was set in
+    the config but it is unrecognized. Using the default loss: `ForCausalLMLoss`", which is the
+    right loss for them. For the classes transformers' ``AutoModelForCausalLM`` maps to, that
+    default is named here, so the loss is the same and the warning, about nothing the config
+    says, is gone. Other models are left alone: for them the warning can mean a wrong loss.
+    """
+    if "transformers" not in sys.modules:  # no transformers model, and seconds saved importing it
+        return
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for module in model.modules():
+        if (
+            isinstance(module, PreTrainedModel)
+            and type(module).__name__ in causal_lms
+            and getattr(module, "loss_type", "") is None
+        ):
+            module.loss_type = "ForCausalLM"
 
 
 def _no_hf_model_error() -> ConfigurationError:

@@ -84,6 +84,9 @@ class EngineOptions:
     #: At the end of training, also write the weights as a ``from_pretrained`` directory here
     #: (relative: to the step's work directory).
     export_hf: Optional[str] = None
+    #: CPU workers: torch's intra-op threads per worker (default: ``OMP_NUM_THREADS`` if set, else
+    #: the host's cores divided by its workers, at least 1). Ignored on GPU workers.
+    cpu_threads_per_worker: Optional[int] = None
 
     @classmethod
     def field_names(cls) -> List[str]:
@@ -129,10 +132,22 @@ class EngineOptions:
             )
         if not timeout > 0:
             raise ConfigurationError(f"{_PREFIX}collective_timeout: must be positive, got {timeout!r}.")
+        check_cpu_threads(self.cpu_threads_per_worker)
+        if warn and self.cpu_threads_per_worker is not None and not on_cpu:
+            logger.info("%scpu_threads_per_worker: ignored, the workers compute on GPUs.", _PREFIX)
         if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, str):
             raise ConfigurationError(
                 f"{_PREFIX}resume_from_checkpoint: expected a path, got {self.resume_from_checkpoint!r}."
             )
+
+
+def check_cpu_threads(value: Any) -> None:
+    """``cpu_threads_per_worker``: unset, or a whole number of threads, 1 or more."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigurationError(
+            f"{_PREFIX}cpu_threads_per_worker: must be a whole number of threads, 1 or more, got {value!r} "
+            "(remove it for each worker's share of the cores)."
+        )
 
 
 def amp_dtype(on_cpu: bool, amp_use_bfloat16: Optional[bool]) -> torch.dtype:

@@ -9,7 +9,8 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
   per host, 1 included); the engine's CPU workers spawned with malloc advising transparent huge pages
   (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); a worker's ``CheckpointError``
   told as its one line.
-- :func:`run_worker`, in each spawned worker: dies with its main process; across hosts, its
+- :func:`run_worker`, in each spawned worker: dies with its main process, and is stopped by it
+  quietly (SIGINT ignored, SIGTERM ends it at once); across hosts, its
   global rank and ``TrainConfig``; its process groups closed once it finished. In the main
   process of a host with one worker (Tango runs a step of one device in-process), it spawns that
   worker with the config of distributed training.
@@ -18,6 +19,7 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from tango.common import Lazy
@@ -27,9 +29,11 @@ from torch.multiprocessing import ProcessRaisedException
 from . import compat
 from . import launch as launching
 from .callbacks import RestoreRandomState
+from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
 from .devices import devices_are_cpu
 from .errors import worker_checkpoint_error
+from .launch.signals import end_quietly_on_signals
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
 from .step_result import FinalModelOnMeta, finish_result, spawned_workers_result
@@ -140,10 +144,32 @@ def _train_distributed(
             kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
             set_in_config="distributed_port" in configured,
         ) as port,
-        launching.stop_workers_on_signals(),
+        launching.stop_workers_on_signals(resume_hint=_resume_hint(step)),
     ):
         kwargs["distributed_port"] = port
         return finish_result(original(step, *args, **kwargs))
+
+
+def _resume_hint(step: Any, across_hosts: bool = False) -> Callable[[], str]:
+    """
+    What the line a stopped run (SIGINT, SIGTERM) ends with says about resuming: Tango's
+    ``torch::train`` resumes a step from its latest checkpoint when the same command runs again
+    (the step's identity, and so its work directory, is its config). Read when the signal
+    arrives: the checkpoints written until then count.
+    """
+    work_dir = Path(step.work_dir)
+    rerun = "rerun the same tango run command"
+
+    def hint() -> str:
+        newest = None if across_hosts else newest_complete_checkpoint(work_dir)
+        if newest is not None:
+            return f"{rerun} to resume from its latest checkpoint, {newest.name}"
+        if not across_hosts and not any(work_dir.glob("checkpoint_state_*")):
+            return f"{rerun} to start the step again (it had no complete checkpoint yet)"
+        # Across hosts the newest checkpoint every host has; another engine's checkpoints.
+        return f"{rerun} to resume from the latest checkpoint"
+
+    return hint
 
 
 def _train_across_hosts(
@@ -173,7 +199,10 @@ def _train_across_hosts(
             launching.AGENT_STORE_VARIABLE: str(True),
             **interface,
         }
-        with launching.environment(updates), launching.stop_workers_on_signals():
+        with (
+            launching.environment(updates),
+            launching.stop_workers_on_signals(resume_hint=_resume_hint(step, across_hosts=True)),
+        ):
             try:
                 return original(step, *args, **kwargs)
             except Exception as error:
@@ -189,7 +218,8 @@ def run_worker(
 ) -> Any:
     """
     Tango's worker function (``original``), which ``mp.spawn`` runs with the index of the process
-    on this host (T2). Distributed workers die with the process that spawned them. In a launch
+    on this host (T2). Distributed workers die with the process that spawned them, which alone
+    acts on SIGINT and SIGTERM and stops them (:func:`~.launch.signals.end_quietly_on_signals`). In a launch
     across hosts the index becomes the global rank, and the worker's ``TrainConfig`` the global one
     (:func:`tango_fairscale.launch.worker_train_config`). A worker that finished closes its process
     groups before it exits.
@@ -202,6 +232,8 @@ def run_worker(
         return _spawn_one_worker(workspace, config, *args, **kwargs)
     if getattr(config, "is_distributed", False):
         launching.die_with_parent()
+        # Stopped by the main process (SIGTERM) without a word or a leaked semaphore.
+        end_quietly_on_signals()
     if world is None or not getattr(config, "is_distributed", False):
         result = original(process_index, workspace, config, *args, **kwargs)
     else:

@@ -48,10 +48,19 @@ def test_stream_context_tracks_the_current_stream() -> None:
 def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import sys
 
+    # mallopt is recorded, not called: glibc cannot give back the dynamic threshold it had once one
+    # is set, so this process's malloc would stay changed for every later test. Applying it for
+    # real is tested in fresh processes (tests/test_cpu_memory.py, where the tensors land).
+    applied: list = []
+    monkeypatch.setattr(memory, "_set_mmap_threshold", lambda threshold: applied.append(threshold) or True)
+    monkeypatch.setattr(memory, "_applied_threshold", None)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
     assert memory.limit_cpu_heap_growth() is False
+    assert applied == [] and memory._applied_threshold is None
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert memory.limit_cpu_heap_growth() is sys.platform.startswith("linux")
+    on_linux = sys.platform.startswith("linux")
+    assert memory.limit_cpu_heap_growth() is on_linux
+    assert applied == ([memory.MMAP_THRESHOLD_BYTES] if on_linux else [])
 
 
 def test_ring_takes_only_equal_contiguous_pieces() -> None:

@@ -122,6 +122,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     # Tied: the LM head is the token embedding, as in GPT-2 (saved once, as transformer.wte.weight).
     model = GPT2LMHeadModel(config)
+    # transformers finds no loss for GPT2LMHeadModel's class name and warns that it uses the
+    # causal-LM loss; name that loss (the same one) instead, as the engine does for its workers.
+    model.loss_type = "ForCausalLM"
     parameters = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"GPT-2: {parameters:.2f} M parameters, vocabulary {len(tokenizer)}, context {args.block_size}")
     if args.steps > 0:
