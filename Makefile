@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-toy demo-finetune demo-capacity test test-all lint clean
+.PHONY: install demo demo-toy demo-finetune demo-finetune-lora demo-capacity test test-all lint clean
 
 # torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
 $(BIN)/python:
@@ -19,12 +19,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Installs torch only when the venv has none (a torch outside pyproject.toml's range is an
-# error rather than a silent swap), then the package with its dev, examples, benchmarks, loggers
-# and hf extras (hf: Tango's transformers integration, which the tests run), then checks that the
-# environment is consistent.
+# error rather than a silent swap), then the package with its dev, examples, benchmarks, loggers,
+# hf and lora extras (hf: Tango's transformers integration; lora: peft; the tests run both), then
+# checks that the environment is consistent.
 $(VENV)/.installed: $(BIN)/python pyproject.toml scripts/install_torch.py
 	$(BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks,loggers,hf]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,benchmarks,loggers,hf,lora]"
 	$(BIN)/python -m pip check
 	@touch $@
 
@@ -45,6 +45,13 @@ demo-finetune: install
 	cd examples/finetune_pretrained && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/finetune_pretrained
 	cd examples/finetune_pretrained && ../../$(BIN)/python generate.py ../../workspace/finetune_pretrained/latest/train/work/hf --prompt "The Queen"
 
+# The same with LoRA: peft's adapters on the pretrained GPT-2's attention, the rest frozen; the
+# adapter is exported and loaded onto the base model with peft to generate.
+demo-finetune-lora: install
+	cd examples/finetune_pretrained && ../../$(BIN)/python make_pretrained.py ../../workspace/pretrained-gpt2
+	cd examples/finetune_pretrained && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/finetune_lora --ext-var lora=true
+	cd examples/finetune_pretrained && ../../$(BIN)/python generate.py ../../workspace/finetune_lora/latest/train/work/adapter --prompt "The Queen"
+
 # The smallest example: a regression model in a few seconds.
 demo-toy: install
 	cd examples/toy && ../../$(BIN)/tango run config.jsonnet -w ../../workspace/toy
@@ -62,7 +69,8 @@ demo-capacity: install
 # two-host runs between network namespaces (marked `netns`: they need root; the same tests run
 # over loopback in `make test`), and further variants of tests that `make test` runs in one
 # variant (marked `extended`: e.g. resharding to 4 workers besides 3, every benchmark config;
-# the README lists them).
+# the README lists them). Everything else runs in both, end-to-end `tango run`s included; the
+# markers are registered in pyproject.toml.
 test: install
 	$(BIN)/python -m pytest -q -m "not capacity and not netns and not extended" $(PYTEST_ARGS)
 

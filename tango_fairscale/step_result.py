@@ -95,7 +95,9 @@ class FinalModelOnMeta(Lazy):
 
     def construct(self, **kwargs: Any) -> Any:
         try:
-            with parameters_on_meta():
+            # Not recorded: every parameter takes weights.pt's tensor, so replaying the
+            # constructor's initialisation (an eager init's time) would be wasted.
+            with parameters_on_meta(record=False):
                 model = self.lazy.construct(**kwargs)
         except Exception as error:  # noqa: BLE001 - a model that needs real tensors to build
             logger.debug("The final model does not build on the meta device (%s): building it whole", error)

@@ -347,7 +347,6 @@ def test_tangos_from_pretrained_starts_from_the_pretrained_weights_exactly(
     assert torch.equal(weights["lm_head.weight"], saved["transformer.wte.weight"])  # tied
 
 
-@pytest.mark.slow
 # make test imports the integration as include_package does in a fresh process
 # (test_the_integration_imports_every_submodule_with_the_package_only) and trains Tango's
 # from_pretrained in the test's own workers: this run adds the CLI's workers around them.

@@ -126,6 +126,23 @@ def test_bare_parameter_keeps_its_constructed_value() -> None:
     assert torch.equal(model.gain, torch.arange(3.0))
 
 
+def test_without_recording_nothing_is_drawn_and_initialisers_run() -> None:
+    # parameters_on_meta(record=False), for a build whose values are loaded afterwards: the build
+    # draws no random number (a recorded one draws what an eager build draws), and materialising
+    # runs the initialisers; a bare parameter keeps its constructed value.
+    from tests.components import AttentionRegressor
+
+    for record in (False, True):
+        torch.manual_seed(0)
+        with parameters_on_meta(record=record):
+            model = AttentionRegressor(in_features=8, width=16)
+        assert torch.equal(torch.random.get_rng_state(), torch.manual_seed(0).get_state()) is not record
+        materialize_module(model, torch.device("cpu"))
+        assert torch.equal(model.gain, torch.full((16,), 0.5))
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert model.attention.in_proj_weight.std() > 0
+
+
 def test_multihead_attention_uses_its_private_initialiser() -> None:
     torch.manual_seed(0)
     with parameters_on_meta():

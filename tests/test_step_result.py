@@ -60,7 +60,6 @@ def test_tied_model_weights(in_process_runs: Dict[str, Path], backend: str) -> N
 #: step's result through the CLI in tests/test_equivalence.py::test_step_result_is_the_trained_model
 #: and keeps ties at library level (test_assign_state_dict_adopts_the_tensors_and_keeps_ties below);
 #: the tied model's weights.pt is test_tied_model_weights's.
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_tied_model_result_and_weights(tmp_path: Path, backend: str) -> None:

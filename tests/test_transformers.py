@@ -14,8 +14,6 @@ pytest.importorskip("transformers")
 from tests.components import HFGPT2, TinyT5  # noqa: E402
 from tests.helpers import INCLUDES, load_weights, max_abs_difference, run_tango, train_work_dir  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96, "n_positions": 16}
 INCLUDE = INCLUDES + ["benchmarks.components"]
 
