@@ -13,7 +13,10 @@ Importing this package registers:
 - the callbacks ``"fairscale::metrics"``, ``"fairscale::memory"``, ``"fairscale::wandb"``,
   ``"fairscale::tensorboard"`` and ``"fairscale::profile"``;
 - :class:`TokenizeText` as the step ``"fairscale::tokenize_text"`` (text tokenized into blocks
-  for a causal language model).
+  for a causal language model);
+- :class:`ValidateFirst` as the callback ``"fairscale::validate_first"`` (the validation loss
+  before the first step) and :class:`Evaluate` as the step ``"fairscale::evaluate"`` (a language
+  model's loss and perplexity on a split).
 
 Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fairscale``
 under ``include_package`` in ``tango.yml``.
@@ -24,12 +27,14 @@ from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
+from .evaluate import Evaluate
 from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
 from .lora import LoraOptions, with_lora
 from .materialize import building_on_meta
 from .metrics import MetricsLog
 from .pretrained import from_pretrained, load_on_meta
 from .text_data import TokenBlocks, TokenizeText
+from .validate_first import ValidateFirst
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 
@@ -44,6 +49,7 @@ compat.install_transformers_patches(building_on_meta, load_on_meta)
 
 __all__ = [
     "CheckpointError",
+    "Evaluate",
     "FSDPConfig",
     "FairScaleTrainingEngine",
     "MemoryCallback",
@@ -54,6 +60,7 @@ __all__ = [
     "TensorBoardLogger",
     "TokenBlocks",
     "TokenizeText",
+    "ValidateFirst",
     "WandbLogger",
     "WrapConfigurationError",
     "WrapPlan",

@@ -37,7 +37,9 @@ def script(name: str) -> ModuleType:
     return module
 
 
-def run_example(root: Path, size: str, pretrain_args: List[str]) -> Tuple[Path, Path, str]:
+def run_example(
+    root: Path, size: str, pretrain_args: List[str], extra: Tuple[str, ...] = ()
+) -> Tuple[Path, Path, str]:
     """
     ``make_pretrained.py`` (in this process: its imports are the test's), then the example's
     ``tango run`` from its own directory, as the README and the Makefile run them. Returns the
@@ -48,7 +50,7 @@ def run_example(root: Path, size: str, pretrain_args: List[str]) -> Tuple[Path, 
     overrides = json.dumps({"steps.train.distributed_port": free_port()})
     command = [str(TANGO), "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
     command += ["--ext-var", f"size={size}", "--ext-var", f"pretrained={pretrained}"]
-    command += ["--overrides", overrides]
+    command += ["--overrides", overrides, *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=EXAMPLE_DIR, env=env, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
@@ -91,7 +93,7 @@ def check_run(pretrained: Path, work_dir: Path, capsys: Any) -> Dict[str, float]
     # The README's consolidate of the best checkpoint writes the same directory again.
     from tango_fairscale import cli
 
-    again = work_dir.parent / "hf-again"
+    again = workspace.parent / "hf-again"  # outside the workspace, whose directories are Tango's
     best = str(work_dir / "checkpoint_state_best")
     assert cli.main(["consolidate", best, str(again), "--format", "hf", "--hf-config", str(pretrained)]) == 0
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
@@ -110,7 +112,6 @@ def check_run(pretrained: Path, work_dir: Path, capsys: Any) -> Dict[str, float]
     return {"pretrained": before, "exported": after}
 
 
-@pytest.mark.slow
 def test_tiny_example_fine_tunes_exports_and_generates(tmp_path: Path, capsys: Any) -> None:
     # A few pretraining steps of a smaller model: seconds, not the README's minutes.
     pretrained, work_dir, output = run_example(tmp_path, "tiny", ["--steps", "5", "--n-layer", "2"])
@@ -118,7 +119,6 @@ def test_tiny_example_fine_tunes_exports_and_generates(tmp_path: Path, capsys: A
     check_run(pretrained, work_dir, capsys)
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_default_example_as_make_demo_finetune_runs_it(tmp_path: Path, capsys: Any) -> None:
     pretrained, work_dir, _ = run_example(tmp_path, "default", [])
@@ -126,3 +126,23 @@ def test_default_example_as_make_demo_finetune_runs_it(tmp_path: Path, capsys: A
     # What the README reports of this run: a clear fall from the pretrained model's loss (0.21
     # nats per token measured).
     assert losses["exported"] < losses["pretrained"] - 0.1
+
+
+@pytest.mark.extended
+def test_the_lora_variant_trains_exports_the_adapter_and_generates(tmp_path: Path, capsys: Any) -> None:
+    # make demo-finetune-lora, tiny: the pretrained weights frozen, the adapter exported and loaded
+    # onto the base model with peft by generate.py.
+    pytest.importorskip("peft")
+    pretrained, work_dir, _ = run_example(tmp_path, "tiny", ["--steps", "30"], ("--ext-var", "lora=true"))
+    adapter = work_dir / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    weights = torch.load(work_dir / "weights.pt", weights_only=True)
+    base = load_file(str(pretrained / "model.safetensors"))
+    frozen = [key for key in weights if "lora_" not in key and key.removeprefix("base_model.model.") in base]
+    assert frozen and all(torch.equal(weights[k], base[k.removeprefix("base_model.model.")]) for k in frozen)
+    generate = script("generate")
+    capsys.readouterr()  # what make_pretrained printed
+    model = generate.load(adapter)
+    assert type(model).__name__ == "PeftModel"
+    generate.main([str(adapter), "--prompt", PROMPT, "--max-new-tokens", "8"])
+    assert capsys.readouterr().out.startswith(PROMPT)

@@ -12,6 +12,9 @@
 // (the directory make_pretrained.py wrote; relative to the directory tango runs in); --ext-var wins.
 local size = std.extVar("size");
 local pretrained = std.extVar("pretrained");
+// LoRA (--ext-var lora=true, `make demo-finetune-lora`): peft's adapters on the attention, the
+// pretrained weights frozen; the adapter is exported instead of the whole model.
+local lora = std.extVar("lora") == "true";
 
 // Workers: one per GPU (NCCL) when the machine has at least device_count GPUs, else CPU processes.
 local device_count = 2;
@@ -56,11 +59,14 @@ local p = presets[size];
         // In: the pretrained model. Under the engine's init_on_meta it is built on `meta` from its
         // config.json, and each FSDP unit reads its own tensors from model.safetensors as it is
         // sharded: no worker holds the whole model.
-        model: {
+        local base = {
           type: "fairscale::from_pretrained",
           pretrained_model_name_or_path: pretrained,
           auto_class: "AutoModelForCausalLM",
         },
+        // Frozen and trainable parameters share each block's unit: the frozen ones hold no
+        // gradient and no optimizer state.
+        model: if lora then { type: "fairscale::with_lora", model: base, r: 8, target_modules: ["c_attn"] } else base,
         // Each transformer block its own FSDP unit.
         wrap_module_classes: ["GPT2Block"],
         fsdp_config: { reshard_after_forward: true },
@@ -68,13 +74,15 @@ local p = presets[size];
       training_engine: {
         type: "fairscale",
         // backend: "torch",   // PyTorch's FSDP2 instead of FairScale's FSDP: the same run
-        optimizer: { type: "torch::AdamW", lr: p.lr, weight_decay: 0.01 },
+        // LoRA trains few parameters from zero: a larger learning rate.
+        optimizer: { type: "torch::AdamW", lr: if lora then 10 * p.lr else p.lr, weight_decay: 0.01 },
         lr_scheduler: { type: "torch::CosineAnnealingLR", T_max: p.train_steps },
         max_grad_norm: 1.0,
         init_on_meta: true,
         // Out: WORK_DIR/hf, written after weights.pt (the best checkpoint's weights), is a directory
-        // AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load.
-        export_hf: "hf",
+        // AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load; with LoRA,
+        // WORK_DIR/adapter is the adapter PeftModel.from_pretrained(base, dir) loads.
+        export_hf: if lora then "adapter" else "hf",
       },
       dataset_dict: { type: "ref", ref: "data" },
       // batch_size is per worker: each step trains on batch_size * device_count blocks.
@@ -92,6 +100,18 @@ local p = presets[size];
       checkpoint_every: p.validate_every,
       log_every: p.log_every,
       device_count: device_count,
+      // Validates once before the first step too: the pretrained model's validation loss, the
+      // baseline of the run, is the line of step 0 in metrics.jsonl.
+      callbacks: [{ type: "fairscale::validate_first" }],
+    },
+    // The fine-tuned model (the step's result: the best validation's weights) on every block of
+    // the held-out split, in this process: the mean loss over the predicted tokens, and perplexity.
+    evaluate: {
+      type: "fairscale::evaluate",
+      model: { type: "ref", ref: "train" },
+      dataset_dict: { type: "ref", ref: "data" },
+      split: "validation",
+      batch_size: p.batch_size,
     },
   },
 }

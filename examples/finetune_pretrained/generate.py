@@ -1,9 +1,12 @@
 """
 Generate text from a directory ``save_pretrained`` wrote, such as the ``hf`` directory that the
 engine's ``export_hf`` leaves in the training step's work directory, with plain ``transformers``:
-``AutoTokenizer`` and ``AutoModelForCausalLM``, nothing of Tango, FairScale or this package.
+``AutoTokenizer`` and ``AutoModelForCausalLM``, nothing of Tango, FairScale or this package. A
+LoRA adapter directory (``adapter_config.json``) is loaded onto its base model with peft's
+``PeftModel.from_pretrained``.
 
     python generate.py ../../workspace/finetune_pretrained/latest/train/work/hf --prompt "The Queen"
+    python generate.py ../../workspace/finetune_lora/latest/train/work/adapter --prompt "The Queen"
     python generate.py ../../workspace/pretrained-gpt2 --prompt "The Queen"   # before fine-tuning
 """
 
@@ -28,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = load(args.model)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     torch.manual_seed(args.seed)
     with torch.no_grad():
@@ -41,6 +44,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             pad_token_id=tokenizer.eos_token_id,
         )
     print(tokenizer.decode(output[0], skip_special_tokens=True))
+
+
+def load(directory: Path) -> torch.nn.Module:
+    """The model of a from_pretrained directory, or a LoRA adapter directory on its base model."""
+    if (directory / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(
+            PeftConfig.from_pretrained(directory).base_model_name_or_path
+        )
+        return PeftModel.from_pretrained(base, directory).eval()
+    return AutoModelForCausalLM.from_pretrained(directory).eval()
 
 
 if __name__ == "__main__":
