@@ -1,20 +1,29 @@
-"""Markers registered here in addition to those in pyproject.toml, and the shared toy runs."""
+"""
+The shared toy runs, and the random generators restored after every test (the markers are
+registered in pyproject.toml).
+"""
 
+import random
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
+import numpy as np
 import pytest
+import torch
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "netns: two hosts as network namespaces joined by a veth pair (needs root and `ip netns`)",
-    )
-    config.addinivalue_line(
-        "markers",
-        "capacity: runs examples/capacity under a per-worker memory limit (DDP fails, FSDP trains)",
-    )
+@pytest.fixture(autouse=True)
+def _restore_random_generators() -> Iterator[None]:
+    """
+    Python's, NumPy's and torch's (CPU) global random generators as they were before the test:
+    many tests seed them (``torch.manual_seed``) in this process, and a test that draws from them
+    unseeded must not depend on which tests ran before it. Workers are other processes.
+    """
+    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
 
 
 #: ``(engine, wrap, backend, grad_accum, accumulate_locally)``, the last three optional.

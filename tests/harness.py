@@ -12,10 +12,13 @@ Two kinds of job:
   :func:`tests.helpers.train_config`, in a work directory of the test's choosing: the engine is
   constructed from the config, resumes from ``checkpoint_state_latest`` as Tango does, and writes
   checkpoints, ``weights.pt`` and whatever the config's callbacks write, where a ``tango run``
-  would. What the ``tango run`` adds and these jobs leave out: the CLI, Tango's step cache and
-  workspace, and the main process's part of the step (pre-flight, the port's rendezvous store,
-  the step's result): what ``tests/test_equivalence.py``, ``tests/test_readme.py`` and the other
-  end-to-end tests keep running.
+  would. The loop is Tango's worker function as the package's patch T2 leaves it, with the
+  callbacks the package's step adds on its engine (by the step's own
+  :func:`~tango_fairscale.train_step.with_engine_callbacks`). What the ``tango run`` adds and these
+  jobs leave out: the CLI, Tango's step cache and workspace, and the main process's part of the
+  step (pre-flight, the port's rendezvous store, the step's result): what
+  ``tests/test_equivalence.py``, ``tests/test_readme.py`` and the other end-to-end tests keep
+  running.
 - :class:`Call`: a function of the test's, ``function(worker, *args)``, on every worker, which
   builds :class:`~tango_fairscale.FairScaleTrainingEngine` directly
   (:meth:`Worker.engine`), trains it (:meth:`Worker.train`), saves and loads checkpoints, and
@@ -28,16 +31,19 @@ dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's e
 :func:`spawn` is ``torch.multiprocessing.spawn`` on these workers, for the multi-process unit tests.
 """
 
+import gc
+import itertools
 import logging
 import os
 import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from unittest import mock
 
 import torch
 import torch._dynamo  # noqa: F401 - imported by the first optimizer otherwise: 2 s in every worker
@@ -45,13 +51,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 - the torch backend's checkpoints
 import torch.distributed.fsdp  # noqa: F401 - the torch backend
 import torch.multiprocessing as mp
+from more_itertools import chunked
 from tango.common import Lazy, Params
 from tango.integrations.torch import DataLoader, Model, TrainCallback, TrainConfig, TrainingEngine
 from tango.integrations.torch.util import set_seed_all
+from torch.utils.data.distributed import DistributedSampler
 
 import examples.toy.components  # noqa: F401 - registers the toy model and data step
 import tests.components  # noqa: F401 - registers the test components
 from tango_fairscale import FairScaleTrainingEngine
+from tango_fairscale.preflight import uses_fairscale_engine
+from tango_fairscale.train_step import with_engine_callbacks
 from tests.helpers import REPO, free_port
 
 # The workers' server imports this module by name with the test process's sys.path, whose
@@ -267,15 +277,21 @@ class Worker:
         )
 
     def batches(self, experiment: Experiment, step: str = "train") -> Iterator[List[Dict[str, torch.Tensor]]]:
-        """This worker's batches of the experiment's training data, as Tango's loop draws them."""
-        from tango.integrations.torch.train import _cycle_through_epochs
-
+        """
+        This worker's batches of the experiment's training data, as Tango's loop draws them: epoch
+        after epoch without end, a ``DistributedSampler`` told each epoch (so that it shuffles
+        anew), ``grad_accum`` micro-batches to a batch (the last of an epoch may have fewer). What
+        Tango's private ``_cycle_through_epochs`` does, which Tango has no public form of.
+        """
         train = experiment["steps"][step]
         loader = Lazy(DataLoader, Params(dict(train["train_dataloader"]))).construct(
             dataset=_dataset(experiment, train)["train"]
         )
-        for _, batch in _cycle_through_epochs(loader, True, train.get("grad_accum", 1)):
-            yield batch
+        grad_accum = train.get("grad_accum", 1)
+        for epoch in itertools.count():
+            if isinstance(loader.sampler, DistributedSampler):
+                loader.sampler.set_epoch(epoch)
+            yield from chunked(loader, grad_accum)
 
     @staticmethod
     def train(
@@ -353,26 +369,22 @@ def _run_train(job: Train, rank: int, world_size: int, port: int) -> None:
     """Tango's worker loop, as a ``tango run`` worker runs it, with the arguments its step would pass."""
     from tango.integrations.torch import train as tango_train
 
-    from tango_fairscale.callbacks import RestoreRandomState
-    from tango_fairscale.metrics import MetricsLog
-
     train = job.experiment["steps"][job.step]
     config = _train_config(train, job.work_dir, 0, world_size, port)
+    engine = _lazy(TrainingEngine, train["training_engine"])
     callbacks = [_lazy(TrainCallback, c) for c in train.get("callbacks") or []]
-    engine_type = train["training_engine"]["type"]
-    if issubclass(TrainingEngine.resolve_class_name(engine_type)[0], FairScaleTrainingEngine):
-        # What the plugin's step patch adds for its engine: the metrics log (unless the config has
-        # one) and the restoring of the random generators on resume.
-        if not any(c.get("type") == "fairscale::metrics" for c in train.get("callbacks") or []):
-            callbacks.append(Lazy(MetricsLog))
-        callbacks.append(Lazy(RestoreRandomState))
+    if uses_fairscale_engine(engine):
+        # What the package's step (train_step.run_step, T1) adds on its engine, by the same function:
+        # the metrics log (unless the config has one) and the restoring of the random generators.
+        callbacks = with_engine_callbacks(callbacks)
     Path(job.work_dir).mkdir(parents=True, exist_ok=True)
+    # Tango's worker function as T2 left it: the package's run_worker around Tango's own.
     tango_train._train(
         rank,
         None,  # the workspace: only passed on to callbacks, which these do not use
         config,
         _lazy(Model, train["model"]),
-        _lazy(TrainingEngine, train["training_engine"]),
+        engine,
         _dataset(job.experiment, train),
         _lazy(DataLoader, train["train_dataloader"]),
         _lazy(DataLoader, train.get("validation_dataloader")),
@@ -382,33 +394,46 @@ def _run_train(job: Train, rank: int, world_size: int, port: int) -> None:
 
 
 @contextmanager
-def _quick_release() -> Iterator[None]:
+def _in_place_of_a_tango_run_worker() -> Iterator[None]:
     """
-    While a worker closes its process group to start another. A ``tango run`` worker's last act is
-    to close its process groups, releasing every reference to them
-    (:func:`tango_fairscale.teardown.close_process_groups`), so that no gloo thread is alive when
-    the interpreter finalizes. These workers never finalize it (they end with ``os._exit``), and the
-    release scans every object in the process: 1 to 2 s a job. Destroying the group is enough here.
+    While Tango's worker loop runs a :class:`Train` job here, the two things a ``tango run`` worker
+    does that these workers cannot, replaced; both are restored when the job ends (the only
+    rebindings the harness makes, and only in its workers, never in the test process):
+
+    - ``tango.common.logging.initialize_worker_logging``, which Tango's loop calls first: it
+      replaces the root logger's handlers with one that sends every record to the log server of
+      the ``tango run`` main process (and raises where there is none). Here the job's records must
+      stay in this process, where :class:`_Capture` collects them for the test. Tango has no setting
+      that keeps them: the server's port is read when ``tango.common.logging`` is imported, and
+      the records would reach the test process out of order with the jobs.
+    - ``tango_fairscale.teardown.release_process_groups``, which the package's worker function (T2)
+      calls through ``close_process_groups`` when the loop has finished: it scans every object of
+      the process for references to process groups, 1.9 and 2.9 s a job in these workers (measured
+      after a toy run: 322 k objects), and exists for the interpreter's finalization, which these
+      workers never reach (they end with ``os._exit``). The rest of ``close_process_groups`` runs as
+      in a ``tango run``: the group destroyed, the cycles collected.
     """
+    from tango.common import logging as tango_logging
+
     from tango_fairscale import teardown
 
-    release = teardown.release_process_groups
-    teardown.release_process_groups = lambda: 0  # type: ignore[assignment]
-    try:
+    with ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(tango_logging, "initialize_worker_logging", lambda worker_rank=None: None)
+        )
+        stack.enter_context(mock.patch.object(teardown, "release_process_groups", lambda: 0))
         yield
-    finally:
-        teardown.release_process_groups = release  # type: ignore[assignment]
 
 
 def _close_process_group() -> None:
     """Close this worker's process group, if any, so that the next engine can start its own."""
     from fairscale.internal import parallel
 
-    from tango_fairscale.teardown import close_process_groups
-
     if dist.is_initialized():
-        with _quick_release():
-            close_process_groups()
+        dist.destroy_process_group()
+        # The previous engine's cycles (hooks, FSDP states) hold its groups and its memory: gone
+        # before the next engine is built.
+        gc.collect()
     # FairScale keeps the groups its FSDP units use in a cache for the life of the process: the
     # next engine's units must make new ones.
     parallel.get_process_group_cached.__dict__.pop("_global_group_cache", None)
@@ -421,8 +446,6 @@ def _call_spawned(worker: Worker, function: Callable[..., Any], args: Tuple[Any,
 def _worker(
     rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str, environment: Dict[str, str]
 ) -> None:
-    from tango.common import logging as tango_logging
-
     # The server was forked with the environment of the test that started it: a worker takes the
     # environment of the test it runs for (e.g. a logger's offline mode set by a fixture).
     os.environ.clear()
@@ -430,9 +453,6 @@ def _worker(
 
     global _rank
     _rank = rank
-    # Tango's worker loop sends its log records to the main process of a `tango run`; here the
-    # records stay in this process, where each job's are captured.
-    tango_logging.initialize_worker_logging = lambda worker_rank=None: None  # type: ignore[assignment]
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for index, (job, port) in enumerate(zip(jobs, ports)):
@@ -441,7 +461,7 @@ def _worker(
         result = WorkerResult()
         try:
             if isinstance(job, Train):
-                with _quick_release():  # Tango's worker ends by closing its process group
+                with _in_place_of_a_tango_run_worker():
                     _run_train(job, rank, world_size, port)
             else:
                 result.value = job.function(Worker(rank, world_size, port), *job.args)

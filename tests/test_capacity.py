@@ -251,7 +251,6 @@ def work_dir(workspace: Path) -> Path:
     return workspace / "latest" / "train" / "work"
 
 
-@pytest.mark.slow
 @pytest.mark.capacity
 def test_example_ddp_runs_out_of_memory(tmp_path: Path) -> None:
     result = run_example(tmp_path / "ddp", "engine=ddp")
@@ -262,7 +261,6 @@ def test_example_ddp_runs_out_of_memory(tmp_path: Path) -> None:
     assert "Error code 12 (Cannot allocate memory)" in output
 
 
-@pytest.mark.slow
 @pytest.mark.capacity
 @pytest.mark.parametrize("engine", ["fsdp", "fsdp2"])
 def test_example_fsdp_trains_in_the_same_budget(tmp_path: Path, engine: str) -> None:

@@ -80,7 +80,6 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
 
 
 #: The kill and rerun through the CLI, once per backend.
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path

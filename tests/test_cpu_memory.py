@@ -138,7 +138,6 @@ def test_a_process_started_with_it_maps_large_tensors_in_huge_pages(
     assert kib["default"] == 0
 
 
-@pytest.mark.slow
 def test_the_workers_of_a_tango_run_advise_huge_pages(toy_run: ToyRun) -> None:
     run = toy_run("fairscale", "nested_ckpt", "fairscale")
     lines, skipped = read_metrics(train_work_dir(run) / "metrics.jsonl")

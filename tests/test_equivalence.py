@@ -68,7 +68,6 @@ def assert_matches_ddp(fsdp_weights: Dict, ddp_weights: Dict, label: str) -> Non
     assert difference <= TOLERANCE
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fsdp_matches_ddp_through_the_cli(backend: str, toy_run: ToyRun) -> None:
     assert_matches_ddp(
@@ -96,7 +95,6 @@ def test_the_backends_train_to_the_same_weights(wrap: str, trained: ToyTrain) ->
     assert difference <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_in_process_training_is_the_tango_runs(trained: ToyTrain, toy_run: ToyRun) -> None:
     """What the in-process tests rest on: the harness trains to a ``tango run``'s weights."""
     in_process = weights(trained("fairscale", CLI_WRAP, "fairscale"))
@@ -117,7 +115,6 @@ def test_accumulating_gradients_locally_matches_reducing_each_micro_batch(
     assert max_abs_difference(reduced, weights(trained("fairscale", "nested", "fairscale"))) > 1e-3
 
 
-@pytest.mark.slow
 def test_step_result_is_the_trained_model(toy_run: ToyRun) -> None:
     run = toy_run("fairscale", CLI_WRAP, "fairscale")
     workspace = LocalWorkspace(run)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -53,7 +54,6 @@ def test_bad_port_is_named(bad: object) -> None:
             pass
 
 
-@pytest.mark.slow
 # make test covers the port choice at library level (test_taken_default_port_is_replaced_...).
 @pytest.mark.extended
 def test_two_runs_with_the_default_port_at_once(tmp_path: Path) -> None:
@@ -282,6 +282,16 @@ def test_hosts_must_agree_on_step_and_device_count() -> None:
         check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "other", "t1", version="0.0.1")], 0)
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds (asked every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _serve_store() -> dist.TCPStore:
     from datetime import timedelta
 
@@ -329,7 +339,6 @@ def test_two_hosts_meet_through_the_agent_store(tmp_path: Path) -> None:
 def test_a_restarted_host_skips_the_attempt_it_already_joined() -> None:
     """torchrun restarted host 1's tango: it must wait for host 0's next store, not rejoin the old one."""
     import threading
-    import time
 
     from tango_fairscale import launch as launching
     from tango_fairscale.launch import rendezvous
@@ -342,21 +351,25 @@ def test_a_restarted_host_skips_the_attempt_it_already_joined() -> None:
     new = _serve_store()
 
     def publish_next() -> None:
-        time.sleep(1.5)
+        # Once host 1 has tried the old attempt (a second claim of node rank 1 there), as host 0's
+        # restart would: published earlier, the new attempt would let it skip the old one untried.
+        # Published anyway after 20 s, so that the assertions below say what went wrong.
+        _wait_until(lambda: int(old.add("join/1", 0)) >= 2, timeout=20)
         agent.set(f"{prefix}/endpoint", f"2 {LOCAL_ADDRESS} {new.port}")
 
-    threading.Thread(target=publish_next).start()
+    publisher = threading.Thread(target=publish_next)
+    publisher.start()
     launch = launching.Launch("torchrun", 1, 2, LOCAL_ADDRESS, agent.port, agent_store=True)
     store = rendezvous._join(launch, prefix, timeout=30)
+    publisher.join(10)
     assert store.port == new.port
     # It tried the old attempt (and was refused: node rank 1 was taken), then joined the new one.
     assert int(old.add("join/1", 0)) == 2
     assert int(new.add("join/1", 0)) == 1
 
 
-def test_a_published_store_that_is_gone_is_skipped() -> None:
+def test_a_published_store_that_is_gone_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
-    import time
 
     from tango_fairscale import launch as launching
     from tango_fairscale.launch import rendezvous
@@ -366,13 +379,28 @@ def test_a_published_store_that_is_gone_is_skipped() -> None:
     dead_port = launching.free_port()
     agent.set(f"{prefix}/endpoint", f"1 {LOCAL_ADDRESS} {dead_port}")
     live = _serve_store()
+    # Host 1's probes of the stores it finds published, seen as they happen (and still made).
+    probed_dead = threading.Event()
+    reachable = rendezvous._reachable
+
+    def probe(address: str, port: int) -> bool:
+        answered = reachable(address, port)
+        if port == dead_port:
+            probed_dead.set()
+        return answered
+
+    monkeypatch.setattr(rendezvous, "_reachable", probe)
 
     def publish_next() -> None:
-        time.sleep(1.5)
+        # Once host 1 has found the published store gone, not before (bounded, as above).
+        probed_dead.wait(20)
         agent.set(f"{prefix}/endpoint", f"2 {LOCAL_ADDRESS} {live.port}")
 
-    threading.Thread(target=publish_next).start()
+    publisher = threading.Thread(target=publish_next)
+    publisher.start()
     store = rendezvous._join(launching.Launch("torchrun", 1, 2, LOCAL_ADDRESS, agent.port, True), prefix, 30)
+    publisher.join(10)
+    assert probed_dead.is_set()
     assert store.port == live.port
 
 
@@ -411,8 +439,11 @@ def test_signal_stops_the_workers(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as stopped:
         with stop_workers_on_signals(grace=5):
             worker.start()
+            # The handler has run when os.kill returns (Linux delivers a signal a process sends
+            # itself to the sending thread, and CPython's os.kill runs the handler before it
+            # returns), and it raises: past this line, it did not stop the step. Nothing to wait for.
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # the handler runs here
+            pytest.fail("SIGTERM to this process did not end the step")
     assert stopped.value.code == 128 + signal.SIGTERM
     assert not worker.is_alive()
     assert signal.getsignal(signal.SIGTERM) == before

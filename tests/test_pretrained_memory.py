@@ -101,7 +101,6 @@ def test_the_model_is_saved_once_and_sized_from_its_file(tmp_path: Path) -> None
     assert other["parameters"] < model["parameters"]
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 def test_quick_benchmark_records_every_worker_of_every_variant(tmp_path: Path) -> None:
     result = subprocess.run(

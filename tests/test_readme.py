@@ -34,8 +34,6 @@ from tests.helpers import (
     train_work_dir,
 )
 
-pytestmark = pytest.mark.slow
-
 #: The user's own pieces the README leaves to them: its ``my_model`` and the ``data`` step.
 USER_PACKAGES = ["tests.components", "examples.toy.components"]
 DATA_STEP = 'data: { type: "toy::regression_data", in_features: 8, train_size: 256, validation_size: 64 },'

@@ -35,8 +35,6 @@ from tango.integrations.torch.util import set_seed_all
 from tests.helpers import tango_command, tango_env
 from tests.tango_suite.components import SuiteRegressor, make_data
 
-pytestmark = pytest.mark.slow
-
 COMPONENTS = "tests.tango_suite.components"
 SEED = 42  # torch::train's default seed, which Tango sets before building the model
 TRAIN_STEPS = 12

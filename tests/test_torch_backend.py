@@ -963,7 +963,6 @@ def three_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work_dir / "checkpoint_state_step12"
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("blocks", [2, 4])
 def test_a_checkpoint_of_fewer_or_more_blocks_is_one_line_through_tango_run(
@@ -988,7 +987,6 @@ def test_a_checkpoint_of_fewer_or_more_blocks_is_one_line_through_tango_run(
     )
 
 
-@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("tampering", list(TAMPERED_CASES))
 def test_tampered_files_with_matching_digests_are_one_line_through_tango_run(
