@@ -7,8 +7,10 @@ Commands:
   sharded checkpoint, with no process group and no GPU; ``--format hf --hf-config DIR`` writes
   ``OUT`` as a directory ``transformers``' ``from_pretrained`` loads instead. ``--force``
   replaces an earlier output of ``consolidate`` only (:mod:`tango_fairscale.output_paths`).
-- ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]``: the wrap
-  plan of a training step and the model state each worker will hold, without training.
+- ``plan CONFIG [--step NAME] [--world-size N] [-o OVERRIDES] [--settings FILE]
+  [--sequence-length N | --sample-data] [--device-memory 80GiB]``: the wrap plan of a training
+  step, the model state each worker will hold and its peak in a training step (and whether it
+  fits), without training.
 - ``plot WORK_DIR_OR_METRICS_FILE [-o OUT.png] [--keys loss,...]``: a PNG of the metrics log
   that the ``fairscale::metrics`` callback wrote.
 - ``peak [--dtype float32] [--threads N] [--seconds S]``: this machine's matmul FLOP/s, the peak
@@ -33,8 +35,8 @@ from . import checkpointing, consolidation, output_paths
 from .errors import CheckpointError
 from .hf_export import export_hf, model_source_tensors
 from .metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
-from .plan import make_plan, render
-from .plotting import metric_keys, plot_metrics
+from .plan import make_plan, parse_memory, render
+from .plotting import MAX_PANELS, metric_keys, panels_of, plot_metrics
 
 TRAIN_STEP_TYPE = "torch::train"
 
@@ -287,18 +289,35 @@ def plan_command(
     json_path: Optional[Path],
     overrides: Optional[str] = None,
     settings: Optional[Path] = None,
+    *,
+    sequence_length: Optional[int] = None,
+    sample_data: bool = False,
+    device_memory: Optional[str] = None,
+    optimizer_states: Optional[float] = None,
+    device: Optional[str] = None,
 ) -> None:
     """
-    Print the wrap plan of a training step (and write it as JSON with ``json_path``). The
-    config is read the way ``tango run`` reads it: the settings file's ``environment`` is set
-    first (jsonnet sees it through ``std.extVar``), then the config with ``--ext-var`` and
-    ``-o`` overrides, then the packages of ``-i``, the config and the settings are imported.
+    Print the wrap plan of a training step and its estimated peak per worker (and write it as
+    JSON with ``json_path``). The config is read the way ``tango run`` reads it: the settings
+    file's ``environment`` is set first (jsonnet sees it through ``std.extVar``), then the config
+    with ``--ext-var`` and ``-o`` overrides, then the packages of ``-i``, the config and the
+    settings are imported. The other arguments are :func:`~tango_fairscale.plan.make_plan`'s.
     """
     import json
 
     # The arguments that need nothing loaded are checked first: a typo costs no model build.
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
+    if sequence_length is not None and sequence_length < 1:
+        raise UsageError(f"--sequence-length must be at least 1, got {sequence_length}")
+    if optimizer_states is not None and not (optimizer_states >= 0 and math.isfinite(optimizer_states)):
+        raise UsageError(f"--optimizer-states must be 0 or more, got {optimizer_states}")
+    memory: Optional[int] = None
+    if device_memory is not None:
+        try:
+            memory = parse_memory(device_memory)
+        except ValueError as error:
+            raise UsageError(f"--device-memory: {error}") from None
     if json_path is not None and json_path.is_dir():
         raise UsageError(f"--json {json_path} is a directory: give the path of the file to write")
     variables = _parse_ext_vars(ext_vars)
@@ -313,7 +332,17 @@ def plan_command(
         ]
         _import_packages(packages)
         name, step = select_step(config, data["steps"], step_name)
-        plan = make_plan(name, step, world_size)
+        plan = make_plan(
+            name,
+            step,
+            world_size,
+            steps=data["steps"],
+            sequence_length=sequence_length,
+            sample_data=sample_data,
+            device_memory=memory,
+            optimizer_states=optimizer_states,
+            device=device,
+        )
     print(render(plan))
     if json_path is not None:
         try:
@@ -348,7 +377,9 @@ def _short_name(metrics_file: Path) -> str:
     return "/".join(parts[-3:] if len(parts) >= 3 and parts[-2] == "work" else parts[-2:])
 
 
-def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> None:
+def plot_command(
+    source: Path, output: Optional[Path], keys: Optional[str], max_panels: int = MAX_PANELS
+) -> None:
     """Draw the metrics log of ``source`` (a work directory or a metrics file) into a PNG file."""
     # The arguments that need no file read are checked first.
     if output is not None:
@@ -357,6 +388,8 @@ def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> N
         if output.suffix.lower() != ".png":
             raise UsageError(f"-o {output}: the plot is a PNG image, give a file name ending in .png")
     wanted: Optional[List[str]] = None
+    if max_panels < 1:
+        raise UsageError(f"--max-panels must be at least 1, got {max_panels}")
     if keys is not None:
         wanted = [key.strip() for key in keys.split(",") if key.strip()]
         if not wanted:
@@ -384,7 +417,11 @@ def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> N
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         panels = plot_metrics(
-            lines, wanted, output, title=f"{_short_name(metrics_file)}, steps {min(steps)}-{max(steps)}"
+            lines,
+            wanted,
+            output,
+            title=f"{_short_name(metrics_file)}, steps {min(steps)}-{max(steps)}",
+            max_panels=max_panels,
         )
     except ImportError:
         raise UsageError(
@@ -394,6 +431,13 @@ def plot_command(source: Path, output: Optional[Path], keys: Optional[str]) -> N
     except OSError as error:
         raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
     note = f"; skipped {skipped} unreadable line{'s' if skipped != 1 else ''}" if skipped else ""
+    left_out = [name for name in panels_of(wanted) if name not in panels]
+    if left_out:
+        shown = ", ".join(left_out[:10]) + (f" and {len(left_out) - 10} more" if len(left_out) > 10 else "")
+        note += (
+            f"; left out {len(left_out)} panel{'s' if len(left_out) != 1 else ''} past --max-panels "
+            f"{max_panels} ({shown}): choose with --keys"
+        )
     summary = f"{len(panels)} panels ({', '.join(panels)}) from {len(lines)} lines of {metrics_file}"
     print(f"Wrote {output}: {summary}{note}.")
 
@@ -490,7 +534,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         help="show the FSDP wrap plan of a training step and its memory per worker, without training",
         description="Build the model of a torch::train step (on the meta device where possible, else on the "
         "CPU) and print each FSDP unit with its parameter count, whether it is checkpointed, and the "
-        "estimated per-worker bytes of parameters, gradients and optimizer state beside DDP's. "
+        "estimated per-worker bytes of parameters, gradients and optimizer state beside DDP's; then one "
+        "worker's peak in a training step, measured by running the model on fake tensors (no memory) on "
+        "a batch of the config's shape, with and without activation checkpointing, and, with "
+        "--device-memory, whether it fits and what to change if not. "
         "Needs no process group and no GPU. The config is read as `tango run` reads it, with the "
         "tango.yml of the current directory (or ~/.config, or --settings).",
     )
@@ -519,6 +566,31 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     plan_parser.add_argument(
         "--json", type=Path, dest="json_path", help="also write the plan as JSON to this file"
     )
+    plan_parser.add_argument(
+        "--sequence-length",
+        type=int,
+        help="tokens per example of a language model's batch (default: tokenize_text's block_size)",
+    )
+    plan_parser.add_argument(
+        "--sample-data",
+        action="store_true",
+        help="run the data step (and the steps it reads) here for one batch's shapes",
+    )
+    plan_parser.add_argument(
+        "--device-memory",
+        help="judge the peak per worker against this memory per device, e.g. 80GiB (or 80G), 80GB, 24000MiB",
+    )
+    plan_parser.add_argument(
+        "--optimizer-states",
+        type=float,
+        help="optimizer state tensors per parameter, for an optimizer whose state cannot be measured",
+    )
+    plan_parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="the workers' device (default: cuda where this machine has a GPU): which optimizer and AMP "
+        "implementations run",
+    )
 
     plot_parser = commands.add_parser(
         "plot",
@@ -536,6 +608,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     )
     plot_parser.add_argument(
         "--keys", help="comma-separated metrics to draw, in this order (default: all), e.g. loss,val_loss,lr"
+    )
+    plot_parser.add_argument(
+        "--max-panels",
+        type=int,
+        default=MAX_PANELS,
+        help=f"the most panels to draw (default {MAX_PANELS}); the output says which were left out",
     )
 
     peak_parser = commands.add_parser(
@@ -573,9 +651,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args.json_path,
                 overrides=args.overrides,
                 settings=args.settings,
+                sequence_length=args.sequence_length,
+                sample_data=args.sample_data,
+                device_memory=args.device_memory,
+                optimizer_states=args.optimizer_states,
+                device=args.device,
             )
         elif args.command == "plot":
-            plot_command(args.source, args.output, args.keys)
+            plot_command(args.source, args.output, args.keys, args.max_panels)
         elif args.command == "peak":
             peak_command(args.dtype, args.threads, args.seconds)
     except (UsageError, CheckpointError, ConfigurationError) as error:
