@@ -241,3 +241,81 @@ def check_logs(work_dir: Path) -> None:
     for worker in summary["workers"]:
         assert worker["tokens_per_second"] > 0 and 0 < worker["mfu"] <= 1
         assert worker["collective_seconds_per_step"] > 0
+
+
+def test_server_unreachable_answers_within_its_timeout() -> None:
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from tango_fairscale.loggers.wandb_logger import server_unreachable
+
+    # Nothing listening: refused at once.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    reason = server_unreachable(f"http://127.0.0.1:{port}", timeout=2)
+    assert reason is not None and reason.startswith(f"the W&B server http://127.0.0.1:{port} did not answer")
+    # Listening but silent: the timeout bounds the wait.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    started = time.monotonic()
+    assert server_unreachable(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=1) is not None
+    assert time.monotonic() - started < 5
+    silent.close()
+
+    # Any HTTP answer, an error status included, is a server that answers.
+    class NotFound(BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert server_unreachable(f"http://127.0.0.1:{server.server_address[1]}", timeout=2) is None
+    finally:
+        server.shutdown()
+
+
+def test_online_wandb_without_a_server_logs_offline_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Online without network, the run sat at step 0 in W&B's retry loop until the collective
+    # timeout (300 s). Now: one warning line, the run logs offline, every step once.
+    import socket
+    import time
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    config = train_config(
+        engine="fairscale",
+        train_steps=4,
+        checkpoint_every=4,
+        callbacks=[{"type": "fairscale::wandb", "project": "tango-fairscale-tests", "every": 1}],
+    )
+    started = time.monotonic()
+    result = harness.train(config, tmp_path / "work")
+    elapsed = time.monotonic() - started
+    warnings = [line for line in result.logs.splitlines() if "did not answer" in line]
+    print(f"{elapsed:.1f} s: {warnings}")
+    assert len(warnings) == 1 and "logging offline to" in warnings[0] and "wandb sync" in warnings[0]
+    assert f"the W&B server http://127.0.0.1:{port} did not answer" in warnings[0]
+    (offline,) = glob.glob(str(tmp_path / "work" / "wandb" / "offline-run-*" / "*.wandb"))
+    _, rows = wandb_history(Path(offline))
+    assert [step for step, _ in rows] == [1, 2, 3, 4]
+    assert elapsed < 120

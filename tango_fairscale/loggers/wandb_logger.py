@@ -58,6 +58,28 @@ def default_run_id(step_id: str, work_dir: Path) -> str:
     return f"tfs-{digest[:24]}"
 
 
+#: Seconds the W&B server has to answer before an online run logs offline instead.
+SERVER_PROBE_SECONDS = 5.0
+
+
+def server_unreachable(base_url: str, timeout: float = SERVER_PROBE_SECONDS) -> Optional[str]:
+    """
+    Why the W&B server at ``base_url`` cannot be reached (one phrase), or ``None`` when it
+    answers within ``timeout`` seconds: any HTTP answer, an error status included, counts.
+    """
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base_url, method="HEAD"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        return f"the W&B server {base_url} did not answer within {timeout:g} s ({reason})"
+
+
 def logged_steps_offline(wandb_dir: Path, run_id: str, exclude: Optional[Path] = None) -> List[int]:
     """
     The steps logged by earlier offline attempts of run ``run_id`` under ``wandb_dir`` (the
@@ -181,8 +203,23 @@ class WandbLogger(RankZeroLogger):
         import wandb
 
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
-        local = mode in LOCAL_MODES
         self.dir.mkdir(parents=True, exist_ok=True)
+        if mode == "online":
+            # W&B reads WANDB_BASE_URL when it sets up, not when Settings() is made.
+            base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+            unreachable = server_unreachable(base_url)
+            if unreachable is not None:
+                # W&B's own client retries for minutes (its init_timeout does not bound the login
+                # it does first), while every other worker waits at the next collective.
+                logger.warning(
+                    "%s: %s: logging offline to %s instead; upload it later with `wandb sync %s`.",
+                    self.NAME,
+                    unreachable,
+                    self.dir / "wandb",
+                    self.dir / "wandb" / "offline-run-*",
+                )
+                mode = "offline"
+        local = mode in LOCAL_MODES
         self.run = wandb.init(
             project=self.project,
             entity=self.entity,
