@@ -27,19 +27,52 @@ class WorkerCheckpointError(CheckpointError, CliRunError):
     """
 
 
+class Refused(CliRunError):
+    """
+    A refusal of this package or a configuration error (``ConfigurationError`` and its kinds),
+    whichever process raised it, raised again in Tango's main process as the one line
+    ``Type: message``: Tango prints a ``CliRunError`` as its message alone, where it printed
+    these inside 25-47 lines of "Uncaught exception" (``--log-level debug`` logs the original).
+    """
+
+
 #: How a worker's traceback, quoted by ``torch.multiprocessing``, ends for a :class:`CheckpointError`.
 _QUOTED_CHECKPOINT_ERROR = f"{CheckpointError.__module__}.{CheckpointError.__qualname__}: "
+#: The qualified names, as a quoted traceback's last line gives them, of the other errors a worker
+#: raises as one line: configuration mistakes found in the workers, and collectives that timed out.
+_QUOTED_ONE_LINE_ERRORS = (
+    "tango.common.exceptions.ConfigurationError",
+    f"{WrapConfigurationError.__module__}.{WrapConfigurationError.__qualname__}",
+    "tango_fairscale.cpu.collectives.CollectiveTimeoutError",
+)
 
 
-def worker_checkpoint_error(error: BaseException) -> Optional[WorkerCheckpointError]:
+def worker_checkpoint_error(error: BaseException) -> Optional[CliRunError]:
     """
-    The :class:`WorkerCheckpointError` of ``error``, a worker's failure as ``mp.spawn`` raises it
-    (its message quotes the worker's traceback), when the worker failed with a
-    :class:`CheckpointError`; ``None`` for any other error. CheckpointError messages are one line.
+    The one-line error of ``error``, a worker's failure as ``mp.spawn`` raises it (its message
+    quotes the worker's traceback): a :class:`WorkerCheckpointError` for a
+    :class:`CheckpointError`, a :class:`Refused` for a configuration error or a collective that
+    timed out; ``None`` for any other error. Those errors' messages are one line.
     """
     lines = [line for line in str(error).splitlines() if line.strip()]
-    if not lines or not lines[-1].startswith(_QUOTED_CHECKPOINT_ERROR):
+    if not lines or not any(line.startswith("Traceback (most recent call last)") for line in lines):
         return None
-    if not any(line.startswith("Traceback (most recent call last)") for line in lines):
+    last = lines[-1]
+    if last.startswith(_QUOTED_CHECKPOINT_ERROR):
+        return WorkerCheckpointError(f"CheckpointError: {last[len(_QUOTED_CHECKPOINT_ERROR) :]}")
+    for qualified in _QUOTED_ONE_LINE_ERRORS:
+        if last.startswith(qualified + ": "):
+            return Refused(f"{qualified.rpartition('.')[2]}: {last[len(qualified) + 2 :]}")
+    return None
+
+
+def refused(error: BaseException) -> Optional[CliRunError]:
+    """
+    The one line of a refusal raised in Tango's main process (a ``ConfigurationError`` of a
+    launch, a rendezvous or a step's own checks; a :class:`CheckpointError`), ``None`` for any
+    other error and for one Tango already prints as one line.
+    """
+    if isinstance(error, CliRunError) or not isinstance(error, (ConfigurationError, CheckpointError)):
         return None
-    return WorkerCheckpointError(f"CheckpointError: {lines[-1][len(_QUOTED_CHECKPOINT_ERROR) :]}")
+    text = str(error).strip().splitlines()
+    return Refused(f"{type(error).__name__}: {text[0] if text else ''}")

@@ -544,3 +544,49 @@ def test_a_workers_checkpoint_error_is_told_as_its_one_line() -> None:
     # Any other worker error keeps its traceback.
     assert worker_checkpoint_error(ProcessRaisedException(quoted("ValueError: nan loss"), 0, 1234)) is None
     assert worker_checkpoint_error(RuntimeError(f"tango_fairscale.errors.CheckpointError: {line}")) is None
+
+
+def test_a_workers_configuration_error_or_timeout_and_a_main_process_refusal_are_one_line() -> None:
+    from tango.common.exceptions import CliRunError, ConfigurationError
+    from torch.multiprocessing import ProcessRaisedException
+
+    from tango_fairscale.errors import refused, worker_checkpoint_error
+
+    def quoted(last: str) -> str:
+        return (
+            '\n\n-- Process 1 terminated:\nTraceback (most recent call last):\n  File "x.py"\n' + last + "\n"
+        )
+
+    timeout = "worker 1 waited 3 s (collective_timeout) to send to worker 0 in a ring all-gather"
+    error = worker_checkpoint_error(
+        ProcessRaisedException(
+            quoted(f"tango_fairscale.cpu.collectives.CollectiveTimeoutError: {timeout}"), 1, 1
+        )
+    )
+    assert isinstance(error, CliRunError) and str(error) == f"CollectiveTimeoutError: {timeout}"
+    bad = "tango.common.exceptions.ConfigurationError: FSDPConfig.bucket_cap_mb: must be >= 0"
+    error = worker_checkpoint_error(ProcessRaisedException(quoted(bad), 1, 1))
+    assert (
+        isinstance(error, CliRunError)
+        and str(error) == "ConfigurationError: FSDPConfig.bucket_cap_mb: must be >= 0"
+    )
+    line = refused(
+        ConfigurationError("MASTER_PORT=99999 in the environment is not a TCP port (1 to 65535).\nmore")
+    )
+    assert isinstance(line, CliRunError)
+    assert (
+        str(line)
+        == "ConfigurationError: MASTER_PORT=99999 in the environment is not a TCP port (1 to 65535)."
+    )
+    assert refused(ValueError("not ours")) is None
+
+
+def test_master_port_out_of_range_is_refused_naming_it() -> None:
+    from tango.common.exceptions import ConfigurationError
+
+    from tango_fairscale.launch import detect_launch
+
+    with pytest.raises(ConfigurationError, match=r"^MASTER_PORT=99999 in the environment is not a TCP port"):
+        detect_launch({**TORCHRUN_STATIC, "MASTER_PORT": "99999"})
+    with pytest.raises(ConfigurationError, match=r"^MASTER_PORT=0 in the environment is not a TCP port"):
+        detect_launch({**SLURM_STEP, "MASTER_PORT": "0"})

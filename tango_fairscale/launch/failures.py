@@ -1,12 +1,17 @@
 """Several hosts: the errors that name another host, and how a failure is told in one line."""
 
-
-class HostLostError(RuntimeError):
-    """Training stopped because another host of the launch stopped answering."""
+from tango.common.exceptions import CliRunError
 
 
-class HostFailedError(RuntimeError):
-    """Training stopped because another host of the launch failed first (its error is quoted)."""
+class HostLostError(RuntimeError, CliRunError):
+    """
+    Training stopped because another host of the launch stopped answering. A ``CliRunError``:
+    ``tango run`` prints its message alone, one line.
+    """
+
+
+class HostFailedError(RuntimeError, CliRunError):
+    """Training stopped because another host of the launch failed first (its error is quoted, one line)."""
 
 
 def _first_line(error: BaseException) -> str:

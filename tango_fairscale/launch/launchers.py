@@ -65,6 +65,13 @@ def _integer(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def _port(value: Optional[int], name: str) -> Optional[int]:
+    """A TCP port number, or an error naming the variable (TCPStore raised a bare TypeError)."""
+    if value is not None and not 1 <= value <= 65535:
+        raise ConfigurationError(f"{name}={value} in the environment is not a TCP port (1 to 65535).")
+    return value
+
+
 def _required(value: Optional[Any], what: str) -> Any:
     if value is None:
         raise ConfigurationError(
@@ -109,7 +116,7 @@ def _torchrun_launch(env: Mapping[str, str]) -> Optional[Launch]:
         node_rank=_check_node_rank(node_rank, num_nodes, "GROUP_RANK"),
         num_nodes=num_nodes,
         master_addr=_required(env.get("MASTER_ADDR"), "MASTER_ADDR (torchrun)"),
-        master_port=_required(_integer(env, "MASTER_PORT"), "MASTER_PORT (torchrun)"),
+        master_port=_required(_port(_integer(env, "MASTER_PORT"), "MASTER_PORT"), "MASTER_PORT (torchrun)"),
         agent_store=env.get(AGENT_STORE_VARIABLE) == str(True),
     )
 
@@ -135,7 +142,7 @@ def _slurm_launch(env: Mapping[str, str]) -> Optional[Launch]:
         if first is None:
             raise ConfigurationError(f"SLURM_JOB_NODELIST={nodelist!r} names no host; set MASTER_ADDR.")
         master_addr = first
-    master_port = _integer(env, "MASTER_PORT")
+    master_port = _port(_integer(env, "MASTER_PORT"), "MASTER_PORT")
     if master_port is None:
         job_id = _required(_integer(env, "SLURM_JOB_ID"), "SLURM_JOB_ID (or MASTER_PORT)")
         master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
