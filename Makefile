@@ -69,7 +69,7 @@ demo-capacity: install
 # two-host runs between network namespaces (marked `netns`: they need root; the same tests run
 # over loopback in `make test`), and further variants of tests that `make test` runs in one
 # variant (marked `extended`: e.g. resharding to 4 workers besides 3, every benchmark config;
-# the README lists them). Everything else runs in both, end-to-end `tango run`s included; the
+# CONTRIBUTING.md lists them). Everything else runs in both, end-to-end `tango run`s included; the
 # markers are registered in pyproject.toml.
 test: install
 	$(BIN)/python -m pytest -q -m "not capacity and not netns and not extended" $(PYTEST_ARGS)

@@ -20,23 +20,32 @@ INCLUDES = ["tango_fairscale", "examples.toy.components", "tests.components"]
 README = (REPO / "README.md").read_text()
 
 
-def readme_blocks(language: str) -> List[str]:
-    """The README's fenced code blocks in ``language``, in order."""
+def markdown_text(doc: str) -> str:
+    """The text of ``doc``, a Markdown file given relative to the repository (``"docs/checkpoints.md"``)."""
+    return README if doc == "README.md" else (REPO / doc).read_text()
+
+
+def readme_blocks(language: str, doc: str = "README.md") -> List[str]:
+    """The fenced code blocks in ``language`` of the README (or of ``doc``), in order."""
     return [
         m.group(2)
-        for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", markdown_text(doc), re.M | re.S)
         if m.group(1) == language
     ]
 
 
-def readme_block_with(language: str, text: str) -> str:
-    (found,) = [block for block in readme_blocks(language) if text in block]
+def readme_block_with(language: str, text: str, doc: str = "README.md") -> str:
+    """The one block in ``language`` of the README (or of ``doc``) that holds ``text``."""
+    (found,) = [block for block in readme_blocks(language, doc) if text in block]
     return found
 
 
-def readme_command_lines(language: str, text: str) -> List[str]:
-    """The README's commands of the block holding ``text``, continuation lines joined, comments dropped."""
-    joined = readme_block_with(language, text).replace("\\\n", " ")
+def readme_command_lines(language: str, text: str, doc: str = "README.md") -> List[str]:
+    """
+    The commands of the README's (or ``doc``'s) block holding ``text``, continuation lines joined,
+    comments dropped.
+    """
+    joined = readme_block_with(language, text, doc).replace("\\\n", " ")
     return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
 
 

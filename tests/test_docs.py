@@ -1,4 +1,4 @@
-"""The README's configuration reference lists exactly the parameters the code takes."""
+"""The configuration reference (docs/configuration.md) lists exactly the parameters the code takes."""
 
 import inspect
 import json
@@ -8,19 +8,23 @@ from typing import Set
 from tango.integrations.torch import TrainCallback
 
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, with_wrapped_modules
+from tango_fairscale.lora import with_lora
 from tests.helpers import REPO
 
-README = (REPO / "README.md").read_text()
+#: The configuration reference, which the README points to.
+REFERENCE = (REPO / "docs" / "configuration.md").read_text()
+#: Watching a run: the metrics log and the callbacks.
+MONITORING = (REPO / "docs" / "monitoring.md").read_text()
 
 
 def section_fields(heading: str) -> Set[str]:
-    start = README.index(heading)
-    end = README.find("\n#", start + len(heading))
-    return set(re.findall(r"^\| `(\w+)` \|", README[start:end], flags=re.MULTILINE))
+    start = REFERENCE.index(heading)
+    end = REFERENCE.find("\n#", start + len(heading))
+    return set(re.findall(r"^\| `(\w+)` \|", REFERENCE[start:end], flags=re.MULTILINE))
 
 
 def test_fsdp_config_fields() -> None:
-    assert section_fields("### `FSDPConfig`") == set(FSDPConfig.field_names())
+    assert section_fields("## `FSDPConfig`") == set(FSDPConfig.field_names())
 
 
 def test_engine_parameters() -> None:
@@ -29,12 +33,17 @@ def test_engine_parameters() -> None:
         "train_config",
         "model",
     }
-    assert section_fields('### Training engine `"fairscale"`') == taken
+    assert section_fields('## Training engine `"fairscale"`') == taken
 
 
 def test_wrapper_parameters() -> None:
     taken = set(inspect.signature(with_wrapped_modules).parameters)
-    assert section_fields('### Model constructor `"fairscale::with_wrapped_modules"`') == taken
+    assert section_fields('## Model constructor `"fairscale::with_wrapped_modules"`') == taken
+
+
+def test_lora_parameters() -> None:
+    taken = set(inspect.signature(with_lora).parameters)
+    assert section_fields('## Model constructor `"fairscale::with_lora"`') == taken
 
 
 def test_every_config_field_has_a_docstring() -> None:
@@ -55,13 +64,27 @@ def test_architecture_lists_every_module() -> None:
     assert not missing, f"docs/architecture.md does not say what these modules own: {missing}"
 
 
+def test_every_patch_has_a_row_in_the_one_patch_table() -> None:
+    """Each patch ID compat.py names (F1, T2, ...) is a row of docs/architecture.md's table, the one list."""
+    from tango_fairscale import compat
+
+    table = set(
+        re.findall(r"^\| ([A-Z]\d) \|", (REPO / "docs" / "architecture.md").read_text(), flags=re.MULTILINE)
+    )
+    named = set(re.findall(r"\b([FTWDPH]\d)\b", inspect.getsource(compat)))
+    assert named and not named - table, f"patches without a row in docs/architecture.md: {named - table}"
+    assert "docs/architecture.md" in (compat.__doc__ or "")
+
+
 def test_watching_a_run_lists_each_callback_and_its_options() -> None:
     from rjsonnet import evaluate_snippet  # the jsonnet Tango reads configs with
 
-    section = README[README.index("## Watching a run") : README.index("## Checkpoints, resuming")]
+    start = MONITORING.index("## Weights & Biases, TensorBoard and the profiler")
+    end = MONITORING.find("\n## ", start + 1)
+    section = MONITORING[start : end if end >= 0 else len(MONITORING)]
     block = re.search(r"```jsonnet\n(.*?)```", section, flags=re.S)
     assert block is not None
-    callbacks = json.loads(evaluate_snippet("README", "{" + block.group(1) + "}"))["callbacks"]
+    callbacks = json.loads(evaluate_snippet("monitoring.md", "{" + block.group(1) + "}"))["callbacks"]
     assert [c["type"] for c in callbacks] == [
         "fairscale::wandb",
         "fairscale::tensorboard",

@@ -627,7 +627,7 @@ def test_consolidate_format_hf_writes_the_engines_export(
     assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
 
 
-def test_readme_consolidate_format_hf_command_as_written(
+def test_docs_consolidate_format_hf_command_as_written(
     pretrained: Path, runs: Dict[str, Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     import shlex
@@ -635,7 +635,7 @@ def test_readme_consolidate_format_hf_command_as_written(
     from tango_fairscale import cli
     from tests.helpers import readme_command_lines
 
-    (line,) = readme_command_lines("bash", "--format hf --hf-config")
+    (line,) = readme_command_lines("bash", "--format hf --hf-config", doc="docs/pretrained.md")
     filled = line.replace("WORK_DIR", str(WORK_DIRS["fairscale-finetuned"])).replace(
         "/models/my-gpt2", str(pretrained)
     )

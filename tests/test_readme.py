@@ -1,27 +1,34 @@
 """
-The README's commands and config snippets, run as written: the training config snippet (with the
-one-line switch to the torch backend too), ``include_package``, ``plan``, ``plot`` and the
-Python API excerpt; ``consolidate``'s command line runs as written in
-``tests/test_checkpoints.py``, on either backend's checkpoint. Placeholders
+The README's commands and config snippets, run as written: the ``tango run`` line, the training
+config snippet (with the one-line switch to the torch backend too), ``include_package`` and the
+fine-tuning model (built by ``plan`` as the workers build it); every block of the README is one of
+these or the quick start's ``make`` commands, which CI (``make test``) and the example tests run.
+The snippets the README sends to ``docs/`` run from there: ``plan`` and the Python API excerpt of
+``docs/configuration.md``, ``plot`` of ``docs/monitoring.md``; ``consolidate``'s command lines run
+as written in ``tests/test_checkpoints.py`` (``docs/checkpoints.md``, either backend's checkpoint)
+and ``tests/test_pretrained.py`` (``docs/pretrained.md``). Placeholders
 (``WORKSPACE/cache/TorchTrainStep-.../work``, ``[--option VALUE]``) are filled in, and the
 user's own pieces (``my_model``, the ``data`` step) come from the test components; ``-o``
-shortens training to a few steps. ``make demo`` and ``make test`` are what CI and the example
-tests run.
+shortens training to a few steps.
 """
 
+import json
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import torch
 
+from tango_fairscale import cli
 from tests.components import MyModel
 from tests.helpers import (
+    README,
     REPO,
     TANGO,
     Command,
@@ -38,6 +45,9 @@ from tests.helpers import (
 USER_PACKAGES = ["tests.components", "examples.toy.components"]
 DATA_STEP = 'data: { type: "toy::regression_data", in_features: 8, train_size: 256, validation_size: 64 },'
 TRAIN_STEPS = 6
+#: Where the README sends the reference and its snippets.
+CONFIGURATION = "docs/configuration.md"
+MONITORING = "docs/monitoring.md"
 
 
 def experiment(train_snippet: str) -> str:
@@ -120,8 +130,77 @@ def test_include_package_in_tango_yml(tmp_path: Path) -> None:
     assert "transformer.h.2" in result.stdout
 
 
+#: The README's fine-tuning model: LoRA adapters on a pretrained Llama, a unit per decoder layer.
+FINETUNE_SNIPPET = readme_block_with("jsonnet", "fairscale::with_lora")
+TINY_LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
+
+
+def test_finetune_snippet_builds_as_the_workers_build_it(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from rjsonnet import evaluate_snippet  # the jsonnet Tango reads configs with
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "my-llama")
+    model = FINETUNE_SNIPPET.replace('"/models/my-llama"', json.dumps(str(tmp_path / "my-llama")))
+    assert model != FINETUNE_SNIPPET
+    # The README's model in the README's training step, on the engine with init_on_meta as it says.
+    snippet = re.sub(
+        r"^  model: \{\n.*?^  \},\n", lambda _: textwrap.indent(model, "  "), TRAIN_SNIPPET, flags=re.M | re.S
+    )
+    assert snippet.count('    type: "fairscale",\n') == 1
+    snippet = snippet.replace('    type: "fairscale",\n', '    type: "fairscale",\n    init_on_meta: true,\n')
+    (tmp_path / "config.jsonnet").write_text(experiment(snippet))
+    (tmp_path / "none.yml").write_text("include_package: []\n")
+    # In this process (the model's libraries imported once): the same code as the command's.
+    includes = [arg for package in USER_PACKAGES for arg in ("-i", package)]
+    argv = [str(tmp_path / "config.jsonnet"), "--world-size", "2", "--settings", str(tmp_path / "none.yml")]
+    assert cli.main(["plan", *argv, *includes, "--json", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+
+    # What the workers build is peft's model with the snippet's options on the pretrained model.
+    lora = json.loads(evaluate_snippet("README", "{" + FINETUNE_SNIPPET + "}"))["model"]["model"]
+    expected = get_peft_model(
+        LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)),
+        LoraConfig(r=lora["r"], target_modules=lora["target_modules"]),
+    )
+    assert (plan["model"], plan["built_on"]) == ("PeftModel", "meta")
+    assert plan["parameters"] == sum(p.numel() for p in expected.parameters())
+    trainable = sum(p.numel() for p in expected.parameters() if p.requires_grad)
+    assert 0 < plan["trainable_parameters"] == trainable < plan["parameters"]
+    layers = [f"base_model.model.model.layers.{i}" for i in range(TINY_LLAMA["num_hidden_layers"])]
+    assert [unit["name"] for unit in plan["units"]] == ["", *layers]
+
+
+def test_every_readme_block_is_run() -> None:
+    """Each code block of the README is one the tests above run, or the quick start that CI runs."""
+    run_here = {
+        "bash": ["tango run config.jsonnet -i tango_fairscale -w workspace", "make test"],
+        "yaml": ["include_package"],
+        "jsonnet": ['type: "torch::train"', 'backend: "torch"', "fairscale::with_lora"],
+    }
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+    assert len(blocks) == sum(len(markers) for markers in run_here.values())
+    for language, block in blocks:
+        markers = [marker for marker in run_here.get(language, []) if marker in block]
+        assert len(markers) == 1, f"a README block that no test runs:\n{block}"
+    # The quick start's test command is the one CI runs.
+    assert "make test" in (REPO / ".ci" / "run").read_text().splitlines()
+    assert "make demo" in readme_block_with("bash", "make test")
+
+
 def test_plan_command(tmp_path: Path) -> None:
-    (line,) = readme_command_lines("bash", "tango_fairscale plan")
+    (line,) = readme_command_lines("bash", "tango_fairscale plan", doc=CONFIGURATION)
     filled = (
         line.replace("[--step NAME]", "--step train")
         .replace("[--world-size N]", "--world-size 4")
@@ -141,7 +220,7 @@ def test_plan_command(tmp_path: Path) -> None:
 
 def test_plot_commands(trained: Dict[str, Path], tmp_path: Path) -> None:
     work_dir = train_work_dir(trained["fairscale"] / "workspace")
-    first, second = readme_command_lines("bash", "tango_fairscale plot")
+    first, second = readme_command_lines("bash", "tango_fairscale plot", doc=MONITORING)
     run(
         shlex.split(
             first.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(work_dir)).replace(
@@ -159,9 +238,9 @@ EXAMPLE = REPO / "examples" / "python_api" / "train.py"
 
 
 def test_python_api_excerpt_is_the_example() -> None:
-    excerpt = readme_block_with("python", "TorchTrainStep(")
+    excerpt = readme_block_with("python", "TorchTrainStep(", doc=CONFIGURATION)
     source = EXAMPLE.read_text()
-    # The README shows the example's own lines (indented one level there), "..." for some left out,
+    # The reference shows the example's own lines (indented one level there), "..." for some left out,
     # comments its own.
     code = [line.split("  #")[0].strip() for line in excerpt.strip().splitlines()]
     assert len(code) > 10
@@ -171,7 +250,7 @@ def test_python_api_excerpt_is_the_example() -> None:
 
 @pytest.mark.extended
 def test_python_api_example_runs(tmp_path: Path) -> None:
-    # As the README says: as a script, outside a git repository.
+    # As docs/configuration.md says: as a script, outside a git repository.
     example = EXAMPLE
     shutil.copy(example, tmp_path / "train.py")
     result = run(

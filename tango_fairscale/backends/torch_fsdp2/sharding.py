@@ -225,7 +225,7 @@ def check_options(config: FSDPConfig, *, where: str = "FSDPConfig") -> None:
 def render_option_table(with_reasons: bool = True) -> str:
     """
     :data:`OPTION_TABLE` as the Markdown table of ``docs/torch-backend.md``; without the reasons,
-    the README's.
+    that of ``docs/configuration.md``.
     """
     lines = (
         ["| field | FSDP2 meaning | why |", "|---|---|---|"]
