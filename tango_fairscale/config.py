@@ -3,20 +3,13 @@
 that a user tunes, as a Tango ``FromParams`` dataclass.
 """
 
-import logging
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Union
 
 import torch
-from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from tango.common import FromParams, Params
 from tango.common.exceptions import ConfigurationError
-
-from .compat import enable_cpu_fsdp
-from .devices import worker_computes_on_cpu
-
-logger = logging.getLogger(__name__)
 
 #: Spellings accepted for the dtype fields, mapped to the dtype they name.
 DTYPE_NAMES: Dict[str, torch.dtype] = {
@@ -276,27 +269,19 @@ class FSDPConfig(FromParams):
             return torch.float32
         return torch.bfloat16 if on_cpu else torch.float16
 
-    def wrap(self, module: torch.nn.Module) -> FSDP:
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         """
-        Wrap ``module`` in :class:`~fairscale.nn.FullyShardedDataParallel` with these options.
+        Wrap ``module`` in :class:`~fairscale.nn.FullyShardedDataParallel` with these options
+        (kept for the users of ai2-tango's bundled integration, whose ``FSDPConfig`` has it; the
+        fairscale backend does it: :func:`tango_fairscale.backends.fairscale_fsdp.backend.wrap`).
         Needs an initialised default process group. On CPU workers (no CUDA, or a gloo process
         group) it computes on the CPU, with :func:`~tango_fairscale.compat.enable_cpu_fsdp`.
-
-        .. seealso::
-            Internally this is what :func:`~tango_fairscale.with_wrapped_modules` calls.
         """
-        kwargs = self.as_kwargs()
-        if worker_computes_on_cpu():
-            enable_cpu_fsdp()
-            kwargs["compute_device"] = torch.device("cpu")
-            if self.mixed_precision:
-                kwargs["compute_dtype"] = self.resolved_compute_dtype(on_cpu=True)
-            if self.move_params_to_cpu or self.move_grads_to_cpu:
-                # Nothing to move on a CPU worker, and FairScale would try to pin memory.
-                logger.debug("move_params_to_cpu/move_grads_to_cpu have no effect on CPU workers")
-            kwargs["move_params_to_cpu"] = False
-            kwargs["move_grads_to_cpu"] = False
-        return FSDP(module, **kwargs)
+        # The backend imports this module; importing it here, when called, keeps FairScale out of
+        # every process that only reads configs (and out of the torch backend's).
+        from .backends.fairscale_fsdp.backend import wrap  # lazy: the backend imports config
+
+        return wrap(self, module)
 
 
 def _plain_type(annotation: Any) -> type:

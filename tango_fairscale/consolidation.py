@@ -11,19 +11,13 @@ Both writers mark the file as ``consolidate``'s (a record in its archive), so th
 """
 
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Optional
 
 from . import checkpointing
-from .backends.base import Backend, ModelSource
-from .backends.lookup import backend_class
-from .checkpointing.formats import is_torch_checkpoint
+from .backends.base import ModelSource
+from .backends.lookup import backend_of
 from .checkpointing.streaming import save_with_records, stream_save
 from .output_paths import CONSOLIDATED, PT_MARKER_RECORD, marker
-
-
-def backend_of(marker: Mapping[str, Any]) -> Type[Backend]:
-    """The backend that wrote the checkpoint whose marker this is."""
-    return backend_class("torch" if is_torch_checkpoint(marker) else "fairscale")
 
 
 def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:

@@ -952,14 +952,15 @@ def _replay(op: _Op, storage: torch.UntypedStorage, shift: int, device: torch.de
         op.generator.set_state(saved)
 
 
-def _modules_outside_fsdp(module: nn.Module) -> Iterator[nn.Module]:
-    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
-
+def _modules_outside_units(
+    module: nn.Module, is_unit: Optional[Callable[[nn.Module], bool]]
+) -> Iterator[nn.Module]:
+    """``module`` and its submodules, those inside a submodule that ``is_unit`` says is a unit left out."""
     stack = [module]
     while stack:
         current = stack.pop()
         yield current
-        stack.extend(child for child in current.children() if not isinstance(child, FSDP))
+        stack.extend(child for child in current.children() if is_unit is None or not is_unit(child))
 
 
 def _hf_init_function(root: nn.Module) -> Optional[Callable[[nn.Module], None]]:
@@ -1012,12 +1013,19 @@ def _unexact_error(refused: List[Tuple[str, str]]) -> ConfigurationError:
 
 @torch.no_grad()
 def materialize_module(
-    module: nn.Module, device: torch.device, root: Optional[nn.Module] = None, one_allocation: bool = False
+    module: nn.Module,
+    device: torch.device,
+    root: Optional[nn.Module] = None,
+    one_allocation: bool = False,
+    is_unit: Optional[Callable[[nn.Module], bool]] = None,
 ) -> int:
     """
-    Allocate ``module``'s ``meta`` parameters on ``device`` (skipping FSDP units already built
-    inside it) and give them their values (see the module's docstring). Returns the number of
-    elements materialised.
+    Allocate ``module``'s ``meta`` parameters on ``device`` and give them their values (see the
+    module's docstring). Returns the number of elements materialised.
+
+    ``is_unit``, given by the backend that shards right after: whether a submodule is already a
+    unit of its own (built and sharded), whose parameters are the unit's and are skipped, with
+    everything inside it. This module knows no backend's types.
 
     ``one_allocation``, for a module that FSDP2, or FairScale with ``flatten_parameters``, shards
     right after (both copy every parameter out before anything writes to it):
@@ -1037,7 +1045,7 @@ def materialize_module(
     of one buffer share it, and a mapped file's cannot be freed.
     """
     found: List[Tuple[nn.Module, str, nn.Parameter]] = []
-    for submodule in _modules_outside_fsdp(module):
+    for submodule in _modules_outside_units(module, is_unit):
         for name, param in submodule._parameters.items():
             if param is not None and _on_meta(param):
                 found.append((submodule, name, param))

@@ -24,11 +24,10 @@ number of hosts or workers work on it as on one host. Hard links cost no space a
 other host's removal of its stale checkpoints. ``TANGO_FAIRSCALE_SHARED_CHECKPOINTS=0`` keeps
 parts even then.
 
-**Final weights.** Each host's ``weights.pt`` is consolidated from every worker's model file of
+**Final weights.** Each host's ``weights.pt`` is consolidated from every worker's model files of
 the best checkpoint: those another host holds, and this one cannot read, are sent by that host's
-first worker (:func:`gather_model_shards`; for the torch backend, whose files hold the model and
-optimizer together, the whole DCP data files), streamed to disk in chunks, so no shared
-filesystem is needed for the step's result, on any host.
+first worker (:func:`receive_missing_files`, given the files the backend reads), streamed to disk
+in chunks, so no shared filesystem is needed for the step's result, on any host.
 """
 
 import hashlib
@@ -45,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from . import checkpointing
-from .checkpointing.formats import files_of_worker, holds_worker_files
 from .errors import CheckpointError
 from .launch import HostWorld
 
@@ -54,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: The marker's key for a host's part of a checkpoint.
 PART_KEY = "host"
 _STEP_DIRECTORY = re.compile(r"checkpoint_state_step(\d+)")
+#: The files worker ``rank`` wrote into a checkpoint, relative to it, from its marker: the writing
+#: backend's :meth:`~tango_fairscale.backends.base.Backend.files_of_worker` (or
+#: :func:`~tango_fairscale.backends.lookup.files_of_worker`, which asks the marker's backend).
+FilesOfWorker = Callable[[Mapping[str, Any], int], List[str]]
 
 
 def part_description(world: HostWorld) -> Dict[str, Any]:
@@ -69,13 +71,15 @@ def part_description(world: HostWorld) -> Dict[str, Any]:
     }
 
 
-def complete_part(checkpoint_dir: Path, world: HostWorld, fields: Dict[str, Any]) -> None:
+def complete_part(
+    checkpoint_dir: Path, world: HostWorld, fields: Dict[str, Any], files_of_worker: FilesOfWorker
+) -> None:
     """
     On a host's leader, before its marker is written (every worker's files are on disk): link in
     the other hosts' files it can read (:func:`link_other_hosts_files`) and describe its part in
     the marker's ``fields``.
     """
-    link_other_hosts_files(checkpoint_dir, world, fields)
+    link_other_hosts_files(checkpoint_dir, world, fields, files_of_worker)
     fields.update(part_description(world))
 
 
@@ -101,12 +105,19 @@ def step_of(path: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def resumable_steps(work_dir: Path, world_size: int, rank: int) -> Dict[int, str]:
+def resumable_steps(
+    work_dir: Path,
+    world_size: int,
+    rank: int,
+    holds_worker_files: Callable[[Path, Mapping[str, Any], int, int], bool],
+) -> Dict[int, str]:
     """
     The checkpoints in ``work_dir`` worker ``rank`` of a world of ``world_size`` can resume from,
     as ``{step: attempt}``: a marker for this world size and the worker's own files (a part, or a
     complete checkpoint), or a complete checkpoint of any world size (which is resharded). The
-    attempt is ``""`` for checkpoints written on one host.
+    attempt is ``""`` for checkpoints written on one host. ``holds_worker_files(checkpoint_dir,
+    marker, world_size, rank)`` says whether a worker's files are there
+    (:func:`tango_fairscale.backends.lookup.holds_worker_files`, which asks the marker's backend).
     """
     steps: Dict[int, str] = {}
     for path in Path(work_dir).glob("checkpoint_state_step*"):
@@ -115,11 +126,13 @@ def resumable_steps(work_dir: Path, world_size: int, rank: int) -> Dict[int, str
             continue
         try:
             marker = checkpointing.read_marker(path)
+            if marker is None:
+                continue
+            # A marker no backend of this version owns is a CheckpointError: not resumable.
+            resumable = holds_worker_files(path, marker, world_size, rank) or checkpointing.is_complete(path)
         except CheckpointError:
             continue
-        if marker is None:
-            continue
-        if holds_worker_files(path, marker, world_size, rank) or checkpointing.is_complete(path):
+        if resumable:
             steps[step] = str(marker.get(PART_KEY, {}).get("attempt", ""))
     return steps
 
@@ -138,11 +151,13 @@ def agree(per_worker: Sequence[Mapping[int, str]]) -> Optional[int]:
     return None
 
 
-def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, fields: Mapping[str, Any]) -> bool:
+def link_other_hosts_files(
+    checkpoint_dir: Path, world: HostWorld, fields: Mapping[str, Any], files_of_worker: FilesOfWorker
+) -> bool:
     """
     From each host whose work directory this one reads (``world.visible``): hard-link their
-    workers' files of this checkpoint (those the marker ``fields`` list for them, either
-    backend's) into ``checkpoint_dir``, which is then complete. Call after every worker has
+    workers' files of this checkpoint (``files_of_worker`` of the marker ``fields``) into
+    ``checkpoint_dir``, which is then complete. Call after every worker has
     written its files. Returns ``False`` (and links nothing more) when a host's files cannot be
     linked (another filesystem, no permission): the checkpoint stays this host's part.
     """
@@ -174,47 +189,6 @@ def link_other_hosts_files(checkpoint_dir: Path, world: HostWorld, fields: Mappi
     for directory in directories:
         checkpointing.fsync_directory(directory)
     return True
-
-
-def gather_model_shards(
-    checkpoint_dir: Path, world: HostWorld, *, hashes: bool = True
-) -> List[Dict[str, Any]]:
-    """
-    Every worker's model state of a fairscale-backend checkpoint, on the first worker of each
-    host (call it on each of them, and only there: it exchanges point-to-point with the others
-    only). Files this host has are read here (and checked against the marker, SHA-256 with
-    ``hashes``); the others are sent by the first worker of the host that wrote them
-    (:func:`receive_missing_files`) into a temporary directory beside the checkpoint.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    with received_files_dir(checkpoint_dir) as received_dir:
-        received = receive_missing_files(
-            checkpoint_dir,
-            world,
-            lambda marker, rank: checkpointing.worker_file(Path(), rank, "model").name,
-            received_dir,
-        )
-        marker = _marker(checkpoint_dir)
-        shards = []
-        for rank in range(world.world_size):
-            sent = checkpointing.worker_file(Path(), rank, "model").name in received
-            shards.append(
-                checkpointing.read_worker_state(
-                    received_dir if sent else checkpoint_dir,
-                    marker,
-                    rank,
-                    "model",
-                    # Mapped and shared, so that consolidating holds none of it in private memory;
-                    # the mapping outlives the received file's removal.
-                    mmap=True,
-                    shared=True,
-                    # A received file was hashed on arrival.
-                    hashes=hashes and not sent,
-                )
-            )
-    if world.node_rank == 0:
-        logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
-    return shards
 
 
 def _marker(checkpoint_dir: Path) -> Dict[str, Any]:

@@ -32,8 +32,7 @@ from tango.integrations.torch import Sampler, TrainCallback, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
-from .backends.lookup import DEFAULT_BACKEND, backend_class
-from .checkpointing.formats import check_written_by
+from .backends.lookup import DEFAULT_BACKEND, backend_class, check_written_by
 from .config import FSDPConfig
 from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine, _no_hf_model_error

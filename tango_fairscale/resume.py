@@ -16,6 +16,7 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainConfig
 
 from . import checkpointing, multihost
+from .backends.lookup import holds_worker_files
 from .launch import HostWorld
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _agree_on_own_checkpoint(config: TrainConfig, hosts: HostWorld) -> bool:
     Across hosts: point the link, on every host, at the newest checkpoint that every worker of
     every host can resume from (see :mod:`tango_fairscale.multihost`), or remove it when there is none.
     """
-    mine = multihost.resumable_steps(config.work_dir, config.world_size, config.worker_id)
+    mine = multihost.resumable_steps(config.work_dir, config.world_size, config.worker_id, holds_worker_files)
     everyone: List[Dict[int, str]] = [{} for _ in range(config.world_size)]
     dist.all_gather_object(everyone, mine)
     step = multihost.agree(everyone)

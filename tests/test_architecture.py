@@ -4,13 +4,15 @@ import ast
 import inspect
 import subprocess
 import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from scripts import import_graph
-from tango_fairscale import FairScaleTrainingEngine
+from tango_fairscale import CheckpointError, FairScaleTrainingEngine
 from tango_fairscale.backends.base import Backend
-from tango_fairscale.backends.lookup import BACKENDS, backend_class
+from tango_fairscale.backends.lookup import BACKENDS, backend_class, backend_of
 from tango_fairscale.checkpointing.commit import merge_digests
 from tango_fairscale.options import EngineOptions
 from tango_fairscale.topology import Topology
@@ -25,13 +27,55 @@ def test_no_import_cycle() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 cycle(s)" in result.stdout
+    assert "0 cycle(s), 0 import(s) across the backends' boundary" in result.stdout
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.cycles(edges) == [["a", "b", "c"]]
     assert import_graph.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_the_backends_and_compat_import_fairscale_or_fsdp() -> None:
+    # From the whole package's import graph: every module, every import (inside functions too).
+    assert import_graph.boundary_violations() == []
+
+
+def test_the_boundary_check_finds_every_kind_of_crossing(tmp_path: Path) -> None:
+    sources = {
+        "__init__.py": "",
+        # Allowed: compat patches FairScale; a backend imports its own library, base and lookup.
+        "compat.py": "from fairscale.nn import checkpoint\n",
+        "backends/__init__.py": "",
+        "backends/lookup.py": "import importlib\nM = 'tango_fairscale.backends.torch_fsdp2.backend'\n",
+        "backends/fairscale_fsdp/__init__.py": "",
+        "backends/fairscale_fsdp/backend.py": "import fairscale.nn\nfrom ..base import Backend\n",
+        "backends/torch_fsdp2/__init__.py": "",
+        "backends/torch_fsdp2/backend.py": "from torch.distributed.fsdp import fully_shard\n",
+        # Crossings: at module level, inside a function (marked lazy too), by importlib, by parts.
+        "config.py": "def wrap():\n    from fairscale.nn.data_parallel import FSDP  # lazy: no\n",
+        "materialize.py": "import torch.distributed.fsdp._fully_shard as f\n",
+        "multihost.py": "import importlib\nimportlib.import_module('fairscale.nn')\n",
+        "plan.py": "from torch.distributed import fsdp\n",
+        "backends/fairscale_fsdp/resharding.py": "from ..torch_fsdp2 import sharding\n",
+        "backends/torch_fsdp2/checkpoint.py": "from tango_fairscale.backends import fairscale_fsdp\n",
+    }
+    for name, source in sources.items():
+        path = tmp_path / "tango_fairscale" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    found = import_graph.boundary_violations(tmp_path)
+    assert [line.split(" imports ")[0] for line in found] == [
+        "tango_fairscale/backends/fairscale_fsdp/resharding.py:1",
+        "tango_fairscale/backends/torch_fsdp2/checkpoint.py:1",
+        "tango_fairscale/config.py:2",
+        "tango_fairscale/materialize.py:1",
+        "tango_fairscale/multihost.py:2",
+        "tango_fairscale/plan.py:1",
+    ], found
+    assert "a backend does not import another backend" in found[0] and "fairscale_fsdp" in found[1]
+    assert "only backends/ and compat.py may import fairscale" in found[2]
+    assert "may import torch.distributed.fsdp" in found[3] and "may import torch.distributed.fsdp" in found[5]
 
 
 def test_the_engine_has_no_backend_branch() -> None:
@@ -57,6 +101,26 @@ def test_each_backend_implements_the_interface_in_its_own_folder(name: str) -> N
     assert not inspect.isabstract(implementation)
     folder = {"fairscale": "fairscale_fsdp", "torch": "torch_fsdp2"}[name]
     assert implementation.__module__ == f"tango_fairscale.backends.{folder}.backend"
+
+
+@pytest.mark.parametrize(
+    "marker, owner",
+    [
+        ({"world_size": 2, "files": ["model"]}, "fairscale"),
+        ({"world_size": 2, "backend": "torch", "format": "dcp"}, "torch"),
+        ({"world_size": 2, "backend": "deepspeed", "format": "zero"}, None),
+        ({"world_size": 2, "backend": "torch"}, None),
+    ],
+)
+def test_the_backend_that_owns_a_marker_says_so(marker: dict, owner: Optional[str]) -> None:
+    # Exactly one backend owns a marker it wrote, none one it did not: nothing outside them decides.
+    owners = [name for name in BACKENDS if backend_class(name).owns(marker)]
+    assert owners == ([owner] if owner else [])
+    if owner is None:
+        with pytest.raises(CheckpointError, match="written by none of this version's backends"):
+            backend_of(marker)
+    else:
+        assert backend_of(marker).name == owner
 
 
 def test_no_subpackage_is_named_like_an_importable_package() -> None:

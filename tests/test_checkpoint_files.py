@@ -104,7 +104,7 @@ def test_digest_is_computed_while_writing(tmp_path: Path) -> None:
 
 def test_untouched_checkpoint_loads(tmp_path: Path) -> None:
     write_checkpoint(tmp_path)
-    shards = checkpointing.load_model_shards(tmp_path)
+    shards = resharding.load_model_shards(tmp_path)
     assert [float(s["weights"]["flat_param_0"][0]) for s in shards] == [0.0, 1.0]
 
 
@@ -127,7 +127,7 @@ def test_changed_file_is_refused(damage: Any, fragment: str, tmp_path: Path) -> 
     write_checkpoint(tmp_path)
     damage(tmp_path / "worker1_model.pt")
     with pytest.raises(CheckpointError, match=rf"worker1_model.pt .*{fragment}"):
-        checkpointing.load_model_shards(tmp_path)
+        resharding.load_model_shards(tmp_path)
 
 
 def test_swapped_files_are_refused(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_swapped_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointError, match=r"worker0_model.pt does not belong .* rank 1 where 0 was expected"
     ):
-        checkpointing.load_model_shards(tmp_path)
+        resharding.load_model_shards(tmp_path)
 
 
 def test_symlinked_shard_is_not_followed(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_symlinked_shard_is_not_followed(tmp_path: Path) -> None:
     (tmp_path / "a" / "worker1_model.pt").unlink()
     (tmp_path / "a" / "worker1_model.pt").symlink_to(tmp_path / "b" / "worker1_model.pt")
     with pytest.raises(CheckpointError, match="worker1_model.pt is a symbolic link .* not followed"):
-        checkpointing.load_model_shards(tmp_path / "a")
+        resharding.load_model_shards(tmp_path / "a")
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_wrong_world_size_in_marker_is_refused(tmp_path: Path) -> None:
     assert marker is not None
     checkpointing.write_marker(tmp_path, 1, extra={k: v for k, v in marker.items() if k != "world_size"})
     with pytest.raises(CheckpointError, match="world_size 2 where 1 was expected"):
-        checkpointing.load_model_shards(tmp_path)
+        resharding.load_model_shards(tmp_path)
 
 
 def test_newest_complete_checkpoint_without_the_latest_link(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import CheckpointError, checkpointing, consolidation
+from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.cli import main
 from tests import harness
 from tests.helpers import (
@@ -282,7 +283,7 @@ def test_pickle_payload_is_refused_and_not_run(
     with pytest.raises(
         CheckpointError, match="worker1_optimizer.pt has .* bytes where COMPLETE.json recorded"
     ):
-        checkpointing.load_optimizer_shards(tampered)
+        resharding.load_optimizer_shards(tampered)
     # ... so forge them too, as an attacker writing the whole directory would: what stops the
     # payload then is loading with weights_only.
     marker = checkpointing.read_marker(tampered)
@@ -317,10 +318,12 @@ def test_pickle_payload_is_refused_and_not_run(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_consolidate_command(backend: str, two_worker_runs: Callable[[str], Path], tmp_path: Path) -> None:
-    """The README's consolidate command, as written there, on a work directory of either backend."""
+    """docs/checkpoints.md's consolidate command, as written there, on a work directory of either backend."""
     two_worker_run = two_worker_runs(backend)
-    # The plain state dict's command (the README's other one writes a from_pretrained directory).
-    (line,) = readme_command_lines("bash", "consolidate WORKSPACE/cache/TorchTrainStep-.../work")
+    # The plain state dict's command (docs/pretrained.md's writes a from_pretrained directory).
+    (line,) = readme_command_lines(
+        "bash", "consolidate WORKSPACE/cache/TorchTrainStep-.../work", doc="docs/checkpoints.md"
+    )
     filled = (
         line.replace("WORKSPACE/cache/TorchTrainStep-.../work", str(two_worker_run))
         .replace("[--optimizer]", "--optimizer")

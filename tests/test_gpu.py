@@ -13,7 +13,7 @@ from tango.common import Lazy
 from tango.integrations.torch import Model, Optimizer, TrainConfig
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, checkpointing
+from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
 from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.teardown import close_process_groups
 from tests.helpers import free_port
@@ -115,5 +115,5 @@ def test_cpu_offload_checkpoint_and_consolidate(train_config: TrainConfig) -> No
     assert losses == pytest.approx(reference_losses(data), abs=1e-5)
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     engine.save_checkpoint(train_config.work_dir / "ckpt", {"training_steps": 10})
-    full = resharding.consolidate_model_state(checkpointing.load_model_shards(train_config.work_dir / "ckpt"))
+    full = resharding.consolidate_model_state(resharding.load_model_shards(train_config.work_dir / "ckpt"))
     ToyRegressor(in_features=8, width=64, num_blocks=4).load_state_dict(full, strict=True)

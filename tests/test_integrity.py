@@ -181,7 +181,7 @@ def test_frozen_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
 def test_weights_are_unchanged_by_verification(saved_run: Path) -> None:
     # The verified load path reads what was written: consolidating the final checkpoint gives weights.pt.
     full = resharding.consolidate_model_state(
-        checkpointing.load_model_shards(saved_run / "checkpoint_state_step8")
+        resharding.load_model_shards(saved_run / "checkpoint_state_step8")
     )
     assert max_abs_difference(full, torch.load(saved_run / "weights.pt", weights_only=True)) == 0.0
 

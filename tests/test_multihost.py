@@ -29,6 +29,8 @@ from tango.common.exceptions import ConfigurationError
 
 from tango_fairscale import checkpointing, consolidation, multihost
 from tango_fairscale.backends.fairscale_fsdp import resharding
+from tango_fairscale.backends.lookup import holds_worker_files
+from tango_fairscale.backends.torch_fsdp2 import checkpoint as torch_checkpoint
 from tango_fairscale.options import EngineOptions
 from tango_fairscale.teardown import close_process_groups
 from tests import harness
@@ -99,10 +101,10 @@ def test_resumable_steps_of_a_host(tmp_path: Path) -> None:
     checkpointing.worker_file(tmp_path / "checkpoint_state_step9", 2, "model").write_bytes(b"x")
     # Worker 3's trainer file of step 6 is gone: worker 3 cannot resume from it.
     checkpointing.worker_file(tmp_path / "checkpoint_state_step6", 3, "trainer").unlink()
-    assert multihost.resumable_steps(tmp_path, 4, 2) == {3: "a", 6: "a"}
-    assert multihost.resumable_steps(tmp_path, 4, 3) == {3: "a"}
+    assert multihost.resumable_steps(tmp_path, 4, 2, holds_worker_files) == {3: "a", 6: "a"}
+    assert multihost.resumable_steps(tmp_path, 4, 3, holds_worker_files) == {3: "a"}
     # In a world of another size only complete checkpoints count (they are resharded).
-    assert multihost.resumable_steps(tmp_path, 6, 2) == {}
+    assert multihost.resumable_steps(tmp_path, 6, 2, holds_worker_files) == {}
     marker = checkpointing.read_marker(tmp_path / "checkpoint_state_step3")
     assert marker is not None
     assert (
@@ -124,9 +126,11 @@ def test_a_part_resumed_elsewhere_says_how_to_gather_it(tmp_path: Path) -> None:
         "dcp/__2_0.distcp": {"size": 1, "sha256": "0"},
         "dcp/__3_0.distcp": {"size": 1, "sha256": "0"},
     }
+    marker.update(torch_checkpoint.MARKER_FIELDS)  # the torch backend's marker: it owns the DCP files
     checkpointing.write_marker(torch_part, 4, {k: v for k, v in marker.items() if k != "world_size"})
-    assert multihost.resumable_steps(tmp_path / "torch", 4, 2) == {3: "a"}
-    assert multihost.resumable_steps(tmp_path / "torch", 4, 3) == {}  # its DCP file is missing
+    assert multihost.resumable_steps(tmp_path / "torch", 4, 2, holds_worker_files) == {3: "a"}
+    # Worker 3's DCP file is missing.
+    assert multihost.resumable_steps(tmp_path / "torch", 4, 3, holds_worker_files) == {}
     for directory in (part, torch_part):
         with pytest.raises(checkpointing.CheckpointError) as error:
             checkpointing.require_complete(directory)
@@ -644,11 +648,11 @@ def test_one_worker_per_host_trains_as_one_host_with_two(
 
 
 def _consolidated(checkpoint_dir: Path) -> Dict[str, Any]:
-    models = checkpointing.load_model_shards(checkpoint_dir)
+    models = resharding.load_model_shards(checkpoint_dir)
     return {
         "model": resharding.consolidate_model_state(models),
         "optimizer": resharding.consolidate_optimizer_state(
-            models, checkpointing.load_optimizer_shards(checkpoint_dir)
+            models, resharding.load_optimizer_shards(checkpoint_dir)
         ),
     }
 

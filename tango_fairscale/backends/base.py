@@ -13,14 +13,26 @@ checkpoint (:mod:`tango_fairscale.checkpointing.commit`), the resume point
 import dataclasses
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Mapping, Optional, Protocol, Sequence, Union
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+)
 
 import torch
 import torch.nn as nn
 from tango.common import Lazy
 from tango.integrations.torch import Model, TrainConfig
 
-from .. import multihost
+from .. import checkpointing, multihost
 from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
@@ -66,12 +78,19 @@ class BackendContext:
     def rank(self) -> int:
         return self.train_config.worker_id
 
-    def complete_part(self) -> Optional[Callable[[Path, Dict[str, Any]], None]]:
-        """What a host's leader adds to its marker across hosts (see :mod:`tango_fairscale.multihost`)."""
+    def complete_part(
+        self, files_of_worker: "multihost.FilesOfWorker"
+    ) -> Optional[Callable[[Path, Dict[str, Any]], None]]:
+        """
+        What a host's leader adds to its marker across hosts (see :mod:`tango_fairscale.multihost`);
+        ``files_of_worker`` is the writing backend's :meth:`Backend.files_of_worker`.
+        """
         if self.hosts is None:
             return None
         hosts = self.hosts
-        return lambda checkpoint_dir, fields: multihost.complete_part(checkpoint_dir, hosts, fields)
+        return lambda checkpoint_dir, fields: multihost.complete_part(
+            checkpoint_dir, hosts, fields, files_of_worker
+        )
 
 
 @dataclasses.dataclass
@@ -98,8 +117,31 @@ class Backend(ABC):
     #: backend allocates and frees every step, below which they fragment the heap.
     cpu_mmap_threshold: ClassVar[int] = MMAP_THRESHOLD_BYTES
 
+    #: What the checkpoints' format is called in messages (which backend wrote one, and how).
+    format_description: ClassVar[str]
+
     def __init__(self, context: BackendContext) -> None:
         self.context = context
+
+    # --- its checkpoints, told by their marker ---------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def owns(cls, marker: Mapping[str, Any]) -> bool:
+        """
+        Whether this backend wrote the checkpoint whose marker this is. Exactly one backend owns
+        a marker (:func:`tango_fairscale.backends.lookup.backend_of` asks them in turn), and the
+        answer reads the marker alone: nothing of the backend's libraries is needed.
+        """
+
+    @classmethod
+    def files_of_worker(cls, marker: Mapping[str, Any], rank: int) -> List[str]:
+        """
+        The files worker ``rank`` wrote into a checkpoint of this backend, relative to its
+        directory: its ``worker{rank}_*.pt`` files (the marker's ``files``), and any the backend adds.
+        """
+        names = checkpointing.saved_file_names(dict(marker))
+        return [checkpointing.worker_file(Path(), rank, name).name for name in names]
 
     # --- options ---------------------------------------------------------------------------------
 

@@ -464,24 +464,6 @@ def read_worker_state(
     )
 
 
-def load_model_shards(checkpoint_dir: Path, hashes: bool = True) -> List[Dict[str, Any]]:
-    """Every worker's ``{"weights", "metadata", ...}`` model state of a complete checkpoint, in rank order."""
-    marker = require_complete(checkpoint_dir)
-    return [
-        read_worker_state(checkpoint_dir, marker, w, "model", hashes=hashes)
-        for w in range(marker["world_size"])
-    ]
-
-
-def load_optimizer_shards(checkpoint_dir: Path, hashes: bool = True) -> List[Dict[str, Any]]:
-    """Every worker's optimizer state of a complete checkpoint, in rank order."""
-    marker = require_complete(checkpoint_dir)
-    return [
-        read_worker_state(checkpoint_dir, marker, w, "optimizer", hashes=hashes)
-        for w in range(marker["world_size"])
-    ]
-
-
 #: How ``torch::train`` names the checkpoint of step N (``TrainConfig.state_path_for_step``).
 _STEP_DIRECTORY = re.compile(r"checkpoint_state_step(\d+)")
 

@@ -18,15 +18,16 @@ from fairscale.optim.grad_scaler import ShardedGradScaler
 from tango.common import Lazy, Tqdm
 from tango.integrations.torch import Model
 
-from ... import checkpointing, multihost
+from ... import checkpointing, compat, multihost
 from ...checkpointing.commit import Digests, commit
-from ...checkpointing.formats import check_written_by, holds_worker_files
 from ...checkpointing.streaming import stream_save
 from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
+from ...launch import HostWorld
 from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource
+from ..lookup import check_written_by, holds_worker_files
 from .resharding import (
     ConsolidatedModel,
     check_same_parameter_shapes,
@@ -49,10 +50,19 @@ class FairScaleBackend(Backend):
     """FairScale's :class:`~fairscale.nn.FullyShardedDataParallel`, on GPUs (NCCL) and CPU workers (gloo)."""
 
     name = "fairscale"
+    format_description = "FairScale's flat shards"
     supports_hybrid_sharding = False
 
     #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
     module_aliases: List[Any] = []
+
+    # --- its checkpoints -------------------------------------------------------------------------
+
+    @classmethod
+    def owns(cls, marker: Mapping[str, Any]) -> bool:
+        # Its markers name no backend and no format: it wrote checkpoints before the torch
+        # backend, whose markers say both, existed.
+        return "backend" not in marker and "format" not in marker
 
     # --- training --------------------------------------------------------------------------------
 
@@ -76,12 +86,16 @@ class FairScaleBackend(Backend):
             if has_meta_parameters(model):
                 # The root's own parameters: those the plan's units did not take.
                 materialize_module(
-                    model, root_device, root=model, one_allocation=root_config.flatten_parameters
+                    model,
+                    root_device,
+                    root=model,
+                    one_allocation=root_config.flatten_parameters,
+                    is_unit=is_unit,
                 )
         if not worker_computes_on_cpu() and not root_config.move_params_to_cpu:
             model.to(context.train_config.worker_local_default_device)
         self.module_aliases = module_aliases(model)
-        return root_config.wrap(model)
+        return wrap(root_config, model)
 
     def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
@@ -151,7 +165,7 @@ class FairScaleBackend(Backend):
             rank,
             write,
             {"training_steps": step, "files": sorted([*SHARDED_STATES, *states])},
-            complete_part=self.context.complete_part(),
+            complete_part=self.context.complete_part(self.files_of_worker),
         )
 
     def write_file(self, checkpoint_dir: Path, name: str, state: Any, step: Optional[int]) -> Digests:
@@ -276,7 +290,7 @@ class FairScaleBackend(Backend):
         else:
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
-            source = ConsolidatedModel(multihost.gather_model_shards(checkpoint_dir, hosts, hashes=verify))
+            source = ConsolidatedModel(gather_model_shards(checkpoint_dir, hosts, hashes=verify))
         stream_save(source.entries, source.produce, weights_path)
 
     @classmethod
@@ -350,11 +364,17 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
     for name in plan.selected:
         module = model.get_submodule(name)
         if name in units and has_meta_parameters(module):
-            materialize_module(module, unit_device, root=model, one_allocation=unit_config.flatten_parameters)
+            materialize_module(
+                module,
+                unit_device,
+                root=model,
+                one_allocation=unit_config.flatten_parameters,
+                is_unit=is_unit,
+            )
         if name in plan.checkpointed:
             module = checkpoint_wrapper(module, offload_to_cpu=plan.offload_activations)
         if name in units:
-            module = unit_config.wrap(module)
+            module = wrap(unit_config, module)
         replace_submodule(model, name, module)
     logger.debug(
         "Wrapped %d submodule(s)%s%s",
@@ -362,3 +382,73 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
         " in FSDP" if plan.fsdp else "",
         f", {len(plan.checkpointed)} checkpointed" if plan.checkpointed else "",
     )
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is already a FairScale FSDP unit (materialising skips what is inside one)."""
+    return isinstance(module, FSDP)
+
+
+def wrap(config: FSDPConfig, module: nn.Module) -> FSDP:
+    """
+    Wrap ``module`` in :class:`~fairscale.nn.FullyShardedDataParallel` with ``config``'s options
+    (what :meth:`FSDPConfig.wrap <tango_fairscale.config.FSDPConfig.wrap>` does). Needs an
+    initialised default process group. On CPU workers (no CUDA, or a gloo process group) it
+    computes on the CPU, with :func:`~tango_fairscale.compat.enable_cpu_fsdp`.
+    """
+    kwargs = config.as_kwargs()
+    if worker_computes_on_cpu():
+        compat.enable_cpu_fsdp()
+        kwargs["compute_device"] = torch.device("cpu")
+        if config.mixed_precision:
+            kwargs["compute_dtype"] = config.resolved_compute_dtype(on_cpu=True)
+        if config.move_params_to_cpu or config.move_grads_to_cpu:
+            # Nothing to move on a CPU worker, and FairScale would try to pin memory.
+            logger.debug("move_params_to_cpu/move_grads_to_cpu have no effect on CPU workers")
+        kwargs["move_params_to_cpu"] = False
+        kwargs["move_grads_to_cpu"] = False
+    return FSDP(module, **kwargs)
+
+
+def gather_model_shards(
+    checkpoint_dir: Path, world: HostWorld, *, hashes: bool = True
+) -> List[Dict[str, Any]]:
+    """
+    Every worker's model state of a checkpoint of this backend, on the first worker of each host
+    (call it on each of them, and only there: it exchanges point-to-point with the others only).
+    Files this host has are read here (and checked against the marker, SHA-256 with ``hashes``);
+    the others are sent by the first worker of the host that wrote them
+    (:func:`~tango_fairscale.multihost.receive_missing_files`) into a temporary directory beside
+    the checkpoint.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    with multihost.received_files_dir(checkpoint_dir) as received_dir:
+        received = multihost.receive_missing_files(
+            checkpoint_dir,
+            world,
+            lambda marker, rank: checkpointing.worker_file(Path(), rank, "model").name,
+            received_dir,
+        )
+        marker = checkpointing.read_marker(checkpoint_dir)
+        if marker is None:
+            raise checkpointing.CheckpointError(f"{checkpoint_dir} has no {checkpointing.MARKER}.")
+        shards = []
+        for rank in range(world.world_size):
+            sent = checkpointing.worker_file(Path(), rank, "model").name in received
+            shards.append(
+                checkpointing.read_worker_state(
+                    received_dir if sent else checkpoint_dir,
+                    marker,
+                    rank,
+                    "model",
+                    # Mapped and shared, so that consolidating holds none of it in private memory;
+                    # the mapping outlives the received file's removal.
+                    mmap=True,
+                    shared=True,
+                    # A received file was hashed on arrival.
+                    hashes=hashes and not sent,
+                )
+            )
+    if world.node_rank == 0:
+        logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
+    return shards

@@ -5,10 +5,12 @@ last one padded with zeros. Rebuilding the full model and optimizer state offlin
 (resharding), without ever assembling a full tensor for the latter.
 """
 
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
+from ... import checkpointing
 from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
 
@@ -349,3 +351,21 @@ class ConsolidatedModel:
                 f"The shards of {key} hold {offset} elements, fewer than {entry.name} needs."
             )
         return result.view(entry.shape)
+
+
+def load_model_shards(checkpoint_dir: Path, hashes: bool = True) -> List[Dict[str, Any]]:
+    """Every worker's ``{"weights", "metadata", ...}`` model state of a complete checkpoint, in rank order."""
+    marker = checkpointing.require_complete(checkpoint_dir)
+    return [
+        checkpointing.read_worker_state(checkpoint_dir, marker, w, "model", hashes=hashes)
+        for w in range(marker["world_size"])
+    ]
+
+
+def load_optimizer_shards(checkpoint_dir: Path, hashes: bool = True) -> List[Dict[str, Any]]:
+    """Every worker's optimizer state of a complete checkpoint, in rank order."""
+    marker = checkpointing.require_complete(checkpoint_dir)
+    return [
+        checkpointing.read_worker_state(checkpoint_dir, marker, w, "optimizer", hashes=hashes)
+        for w in range(marker["world_size"])
+    ]

@@ -6,7 +6,7 @@ model sharded by :mod:`.sharding`, checkpoints through DCP (:mod:`.checkpoint`).
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,6 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from ... import checkpointing, multihost
-from ...checkpointing.formats import dcp_files_of_worker
 from ...checkpointing.streaming import stream_save
 from ...materialize import parameters_on_meta
 from ...wrapping import WrapPlan, recorded_plan, require_parameters
@@ -29,6 +28,7 @@ class TorchBackend(Backend):
     """PyTorch's :func:`~torch.distributed.fsdp.fully_shard` (FSDP2), each parameter a sharded DTensor."""
 
     name = "torch"
+    format_description = "DCP"
     supports_hybrid_sharding = True
     # FSDP2 gathers into and frees one tensor per parameter, not one per unit (2.25 to 9 MiB each
     # for GPT-2 of width 768): under the fairscale backend's 16 MiB those fragment the heap. At 4
@@ -50,6 +50,17 @@ class TorchBackend(Backend):
                 "model.offload_activations: not supported by the torch backend (torch's checkpoint wrapper "
                 'has no activation offload); remove it or use backend: "fairscale".'
             )
+
+    # --- its checkpoints -------------------------------------------------------------------------
+
+    @classmethod
+    def owns(cls, marker: Mapping[str, Any]) -> bool:
+        return checkpoint.is_torch_checkpoint(marker)
+
+    @classmethod
+    def files_of_worker(cls, marker: Mapping[str, Any], rank: int) -> List[str]:
+        # Its per-worker files, and the DCP data files it wrote (the model's and optimizer's shards).
+        return super().files_of_worker(marker, rank) + checkpoint.dcp_files_of_worker(marker, rank)
 
     # --- training --------------------------------------------------------------------------------
 
@@ -102,7 +113,7 @@ class TorchBackend(Backend):
             states,
             step=step,
             topology=self.context.topology,
-            complete_part=self.context.complete_part(),
+            complete_part=self.context.complete_part(self.files_of_worker),
         )
 
     def load(
@@ -141,7 +152,7 @@ class TorchBackend(Backend):
             multihost.receive_missing_files(
                 checkpoint_dir,
                 hosts,
-                lambda marker, rank: next(iter(dcp_files_of_worker(marker, rank)), None),
+                lambda marker, rank: next(iter(checkpoint.dcp_files_of_worker(marker, rank)), None),
                 received_dir,
             )
             part = checkpoint.dcp_part_model_source(checkpoint_dir, received_dir, hashes=verify)
@@ -175,5 +186,5 @@ def refuse_sharded_model(model: nn.Module, backend: str) -> None:
         raise ConfigurationError(
             f'training_engine.backend: "{backend}" got a model with FSDP units already in it: pass the '
             "model to the engine unconstructed (as a config does), so that the backend applies "
-            "with_wrapped_modules' plan itself, or use backend: \"fairscale\" for a FairScale-wrapped model."
+            'with_wrapped_modules\' plan itself, or use backend: "fairscale" for a FairScale-wrapped model.'
         )

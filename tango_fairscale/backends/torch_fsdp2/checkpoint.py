@@ -72,17 +72,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ... import checkpointing, compat
 from ...checkpointing.commit import commit
-from ...checkpointing.formats import (
-    DCP_DIR,
-    MARKER_FIELDS,
-    check_written_by,
-    dcp_files_of_worker,
-    holds_worker_files,
-    is_torch_checkpoint,
-)
 from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
 from ...topology import Topology
+from ..lookup import check_written_by, holds_worker_files
 from .safe_reading import (
     METADATA_FILE,
     METADATA_GLOBALS,
@@ -94,6 +87,22 @@ from .safe_reading import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: What the marker of a torch-backend (DCP) checkpoint says about its format.
+MARKER_FIELDS = {"backend": "torch", "format": "dcp"}
+#: The subdirectory of a torch-backend checkpoint that DCP writes into.
+DCP_DIR = "dcp"
+
+
+def is_torch_checkpoint(marker: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's marker says the torch backend (DCP) wrote it."""
+    return all(marker.get(key) == value for key, value in MARKER_FIELDS.items())
+
+
+def dcp_files_of_worker(marker: Mapping[str, Any], rank: int) -> List[str]:
+    """Worker ``rank``'s DCP data files (relative to the checkpoint) in a torch-backend checkpoint."""
+    prefix = f"{DCP_DIR}/__{rank}_"
+    return sorted(name for name in marker.get("digests") or {} if name.startswith(prefix))
 
 
 def _require_torch_marker(
@@ -645,6 +654,7 @@ __all__ = [
     "MARKER_FIELDS",
     "METADATA_GLOBALS",
     "consolidate_dcp",
+    "dcp_files_of_worker",
     "dcp_model_source",
     "dcp_part_model_source",
     "is_torch_checkpoint",
