@@ -564,3 +564,19 @@ class SkipsABlockOnWorker1(Model):
                 continue
             hidden = block(hidden)
         return {"loss": self.inner.loss(self.inner.head(hidden).squeeze(-1), y)}
+
+
+@Model.register("test::batchnorm_regressor")
+class BatchNormRegressor(Model):
+    """The toy regressor with a BatchNorm after its input layer: buffers that differ per worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from examples.toy.components import ToyRegressor
+
+        self.inner = ToyRegressor(in_features=8, width=16, num_blocks=2)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hidden = self.inner.blocks(self.norm(self.inner.input(x)))
+        return {"loss": self.inner.loss(self.inner.head(hidden).squeeze(-1), y)}

@@ -1005,3 +1005,32 @@ def test_tampered_files_with_matching_digests_are_one_line_through_tango_run(
     assert "CheckpointException" not in output and "metadata is None" not in output
     # The payload never ran.
     assert not marker.exists()
+
+
+def test_both_backends_write_worker_0s_buffers(tmp_path: Path) -> None:
+    # The torch backend's weights.pt held worker 1's BatchNorm statistics where the fairscale
+    # backend's holds worker 0's: DCP kept another worker's copy of the buffer.
+    from tests.helpers import train_config
+
+    def config(engine: str, backend: Optional[str]) -> Dict[str, Any]:
+        extra = {"backend": backend} if backend else None
+        return train_config(
+            engine=engine, model={"type": "test::batchnorm_regressor"}, callbacks=[], engine_extra=extra
+        )
+
+    runs = {
+        "ddp": config("torch", None),
+        "fairscale": config("fairscale", "fairscale"),
+        "torch": config("fairscale", "torch"),
+    }
+    results = harness.run([harness.Train(c, tmp_path / name) for name, c in runs.items()], out=tmp_path / "h")
+    for result in results:
+        result.check()
+    weights = {name: torch.load(tmp_path / name / "weights.pt", weights_only=True) for name in runs}
+    for buffer in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
+        assert torch.equal(weights["torch"][buffer], weights["fairscale"][buffer]), buffer
+        print(
+            buffer,
+            "torch - ddp:",
+            (weights["torch"][buffer].float() - weights["ddp"][buffer].float()).abs().max(),
+        )

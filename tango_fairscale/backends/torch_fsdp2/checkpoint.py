@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
 from ... import checkpointing, compat
 from ...checkpointing.commit import commit
@@ -304,9 +305,27 @@ def _write_host_metadata(dcp_dir: Path, metadata: Metadata) -> None:
 def _training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     """The sharded model (and optimizer) state, keyed by the plain model's parameter names."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return {"model": _worker_0_buffers(get_model_state_dict(model))}
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optimizer_state}
+    return {"model": _worker_0_buffers(model_state), "optim": optimizer_state}
+
+
+def _worker_0_buffers(model_state: Dict[str, Any]) -> Dict[str, Any]:
+    """
+    ``model_state`` with each plain tensor (a buffer: FSDP2's parameters are DTensors) replaced by
+    worker 0's value. Buffers are not synchronised (BatchNorm's running statistics differ per
+    worker), and DCP keeps one worker's copy of a replicated value, which was not worker 0's:
+    ``weights.pt`` held worker 1's statistics where DDP's and the fairscale backend's hold worker
+    0's. The model's own buffers are left as they are. Collective.
+    """
+    chosen = dict(model_state)
+    for name in sorted(model_state):
+        value = model_state[name]
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            copy = value.detach().clone()
+            dist.broadcast(copy, src=0)
+            chosen[name] = copy
+    return chosen
 
 
 def save_sharded(
