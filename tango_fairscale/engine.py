@@ -37,6 +37,7 @@ from .cpu.threads import apply_threads, choose_threads
 from .devices import devices_are_cpu, worker_computes_on_cpu
 from .hf_export import (
     export_hf,
+    export_merged_adapter,
     export_peft_adapter,
     hf_model_in,
     peft_model_in,
@@ -140,6 +141,12 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         replaces only an earlier export; any other existing path, and the workspace, the work
         directory and what the run writes there, are refused in pre-flight
         (:mod:`tango_fairscale.output_paths`).
+    :param export_hf_merged:
+        For a peft (LoRA) model, whose ``export_hf`` is the adapter directory: also write the
+        adapters merged into the base model (peft's ``merge_and_unload``) as a directory
+        ``AutoModelForCausalLM.from_pretrained`` loads, here (relative: to the step's work
+        directory), with the same rules as ``export_hf``. The merge holds the whole model in the
+        writing worker's memory. Needs ``export_hf``.
     :param verify_checkpoints:
         Check the SHA-256 of every checkpoint file against the marker before resuming from it
         (re-reading each file once: on GPT-2 small's 0.7 GiB per worker, about as long as loading
@@ -174,6 +181,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         accumulate_grads_locally: bool = _DEFAULTS.accumulate_grads_locally,
         hybrid_sharding: bool = _DEFAULTS.hybrid_sharding,
         export_hf: Optional[str] = _DEFAULTS.export_hf,
+        export_hf_merged: Optional[str] = _DEFAULTS.export_hf_merged,
         cpu_threads_per_worker: Optional[int] = _DEFAULTS.cpu_threads_per_worker,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
@@ -190,6 +198,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             accumulate_grads_locally=accumulate_grads_locally,
             hybrid_sharding=hybrid_sharding,
             export_hf=export_hf,
+            export_hf_merged=export_hf_merged,
             cpu_threads_per_worker=cpu_threads_per_worker,
         )
         self.fsdp_config = fsdp_config or FSDPConfig()
@@ -403,6 +412,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 work_dir=self.train_config.work_dir,
                 label="training_engine.export_hf",
             )
+            if self.options.export_hf_merged is not None:
+                merged = export_hf_path(self.options.export_hf_merged, self.train_config.work_dir)
+                logger.info("Writing %s: the adapters merged into the base, for from_pretrained", merged)
+                export_merged_adapter(
+                    directory,
+                    merged,
+                    work_dir=self.train_config.work_dir,
+                    label="training_engine.export_hf_merged",
+                )
             return
         logger.info("Writing %s for transformers' from_pretrained", directory)
         export_hf(

@@ -280,6 +280,36 @@ def export_peft_adapter(
     return _write_directory(directory, fill)
 
 
+def export_merged_adapter(
+    adapter: Path,
+    directory: Path,
+    *,
+    work_dir: Optional[Path] = None,
+    sources: Sequence[Path] = (),
+    label: str = "",
+) -> Path:
+    """
+    Write ``directory`` as the ``from_pretrained`` directory of the base model of the adapter
+    directory ``adapter`` (:func:`export_peft_adapter`'s) with the adapters merged into it (peft's
+    ``merge_and_unload``), and the adapter's tokenizer files. Atomically, replacing only an
+    earlier export. Holds the whole model in memory: the base is read whole, then merged.
+    """
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    check_output(directory, HF_EXPORT, work_dir=work_dir, sources=sources, label=label)
+    base_path = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+
+    def fill(tmp: Path) -> None:
+        merged.save_pretrained(str(tmp))
+        _copy_tokenizer(Path(adapter), tmp)
+
+    return _write_directory(directory, fill)
+
+
 #: What every LoRA adapter tensor's name holds.
 _ADAPTER_PART = ".lora_"
 

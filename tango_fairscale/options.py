@@ -84,6 +84,9 @@ class EngineOptions:
     #: At the end of training, also write the weights as a ``from_pretrained`` directory here
     #: (relative: to the step's work directory).
     export_hf: Optional[str] = None
+    #: For a peft (LoRA) model: also write the adapters merged into the base as a
+    #: ``from_pretrained`` directory here (relative: to the step's work directory).
+    export_hf_merged: Optional[str] = None
     #: CPU workers: torch's intra-op threads per worker (default: ``OMP_NUM_THREADS`` if set, else
     #: the host's cores divided by its workers, at least 1). Ignored on GPU workers.
     cpu_threads_per_worker: Optional[int] = None

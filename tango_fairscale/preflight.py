@@ -97,10 +97,16 @@ def check_engine(
         except checkpointing.CheckpointError as error:
             raise ConfigurationError(f"training_engine.resume_from_checkpoint: {error}") from None
     check_export_hf(options.export_hf, work_dir)
+    if options.export_hf_merged is not None:
+        if options.export_hf is None:
+            raise ConfigurationError(
+                "training_engine.export_hf_merged: needs export_hf (the adapter directory it merges)."
+            )
+        check_export_hf(options.export_hf_merged, work_dir, "export_hf_merged")
     return options
 
 
-def check_export_hf(export_hf: Any, work_dir: Optional[Path]) -> None:
+def check_export_hf(export_hf: Any, work_dir: Optional[Path], field: str = "export_hf") -> None:
     """
     ``export_hf`` where the engine will write it (a relative path against the step's work
     directory, :func:`~tango_fairscale.output_paths.export_hf_path`), refused before anything
@@ -109,13 +115,13 @@ def check_export_hf(export_hf: Any, work_dir: Optional[Path]) -> None:
     if export_hf is None:
         return
     if not isinstance(export_hf, str) or not export_hf:
-        raise ConfigurationError(f"training_engine.export_hf: expected a directory path, got {export_hf!r}.")
+        raise ConfigurationError(f"training_engine.{field}: expected a directory path, got {export_hf!r}.")
     if work_dir is None and not Path(export_hf).is_absolute():
         return  # relative to a work directory not known here; the engine checks it before writing
     try:
         check_output(export_hf_path(export_hf, work_dir or Path()), HF_EXPORT, work_dir=work_dir)
     except checkpointing.CheckpointError as error:
-        raise ConfigurationError(f"training_engine.export_hf: {error}") from None
+        raise ConfigurationError(f"training_engine.{field}: {error}") from None
 
 
 def check_sampler(dataloader: Dict[str, Any], dataset: Any, name: str) -> None:

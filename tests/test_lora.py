@@ -81,7 +81,12 @@ def experiment(
             train_steps=steps,
             checkpoint_every=steps,
             callbacks=[],
-            engine_extra={"backend": backend, "init_on_meta": init_on_meta, "export_hf": "adapter"},
+            engine_extra={
+                "backend": backend,
+                "init_on_meta": init_on_meta,
+                "export_hf": "adapter",
+                "export_hf_merged": "merged",
+            },
         )
     config["steps"]["train"]["training_engine"]["optimizer"] = {"type": "torch::AdamW", "lr": lr}
     config["steps"]["data"] = {"type": "test::lm_data", "vocab_size": LLAMA["vocab_size"], "length": LENGTH}
@@ -225,3 +230,19 @@ def test_the_exported_adapter_loads_with_peft_and_gives_the_trained_logits(
         untrained = AutoModelForCausalLM.from_pretrained(pretrained)(input_ids=tokens).logits - expected
     print(f"[{backend}] adapter from PeftModel.from_pretrained: max logit difference {difference:.3e}")
     assert difference <= TOLERANCE and untrained.abs().max().item() > 100 * TOLERANCE
+
+
+def test_the_merged_export_loads_with_from_pretrained_and_gives_the_trained_logits(
+    runs: Dict[str, Dict[str, torch.Tensor]], pretrained: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(WORK_DIRS["fairscale"] / "merged").eval()
+    trained = PeftModel(AutoModelForCausalLM.from_pretrained(pretrained), _lora_config()).eval()
+    trained.load_state_dict(runs["fairscale"])
+    tokens = torch.randint(LLAMA["vocab_size"], (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        difference = (merged(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
+    print(f"merged export from from_pretrained: max logit difference {difference:.3e}")
+    assert difference <= TOLERANCE
