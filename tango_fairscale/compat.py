@@ -22,131 +22,12 @@ there, and refuses with an error naming both otherwise:
   seconds to import: a process that does not use it never does), and check the ``transformers``
   version then (:data:`CHECKED_WHEN_USED`), not at import.
 
-The patches, with the reason for each (``docs/architecture.md`` has the same list):
-
-F1. ``fairscale.nn.data_parallel.fully_sharded_data_parallel.torch`` becomes a stand-in whose
-    ``cuda`` attribute answers the stream calls with no-op CPU streams
-    (:mod:`tango_fairscale.backends.fairscale_fsdp.cpu_streams`). FairScale's FSDP overlaps
-    communication on CUDA streams and never checks that CUDA is there (FairScale has no CPU path;
-    PyTorch's FSDP needed the same no-op streams for CPU training, pytorch/pytorch#106099). Every
-    other attribute, and ``torch.cuda`` anywhere else, is the real thing.
-F2. ``aten::record_stream`` gets a no-op CPU kernel. It has none, and FairScale calls it on
-    every gathered buffer; on a CPU it has nothing to protect.
-F3. FairScale's ``enable_nccl_base_collectives`` flag (its ``ENABLE_NCCL_BASE_COLLECTIVES=0``
-    switch, read at import) is turned off in its FSDP module and its reduce-scatter bucketer:
-    gloo's single-tensor reduce-scatter wants ``[world_size * n]`` where FairScale passes
-    ``[world_size, n]``; the list forms carry the same data and are what gloo implements.
-F4. ``dist`` in the same two modules becomes :class:`~tango_fairscale.cpu.collectives.GlooCollectives`:
-    all-gather and reduce-scatter as rings of gloo send/recv, which move half the bytes of an
-    all-reduce. Every other ``torch.distributed`` function is the real one.
-F5. ``fairscale.nn.checkpoint.checkpoint_activations.is_autocast_enabled`` and ``autocast``
-    record and restore the autocast state of every device type with its dtype. FairScale's
-    versions look at CUDA autocast only and re-enter it as float16, so a checkpointed unit's
-    recomputation in backward ran without CPU bfloat16 autocast (a dtype error, or silently
-    float32 gradients), and under CUDA bfloat16 autocast in float16 (facebookresearch/fairscale#1199,
-    the same bug as pytorch/pytorch#71124 in torch's own checkpoint). Applies on every device.
-F6. ``FullyShardedDataParallel.forward`` first casts the root's float32 inputs to the unit's
-    ``compute_dtype`` when ``mixed_precision`` is on. FairScale casts them to float16 whatever the
-    ``compute_dtype`` (``cast_floats_to_right_precision`` knows only float16), so a bfloat16
-    ``compute_dtype`` without AMP (the default on CPU workers) failed in the first layer with
-    ``mat1 and mat2 must have the same dtype``. FairScale's own cast then finds nothing to do.
-F7. ``FlattenParamsWrapper`` in FairScale's FSDP module becomes
-    :class:`~tango_fairscale.backends.fairscale_fsdp.flat_groups.FlattenTrainableApart`, which
-    puts a unit's frozen and trainable parameters into two flat parameters instead of asserting
-    that they agree (FairScale's wrapper takes several groups and its FSDP handles each flat
-    parameter on its own; only the grouping was missing). Units whose parameters agree are
-    flattened exactly as before. FairScale frees a gathered parameter in the hook on its
-    gradient accumulator, which a frozen one lacks, so ``forward`` (after F6) also registers a
-    multi-grad hook on the unit's inputs that releases its frozen parameters once their gradients
-    are computed (PyTorch's FSDP1 did the same for frozen flat parameters), and
-    ``_wait_for_post_backward`` releases what is left (the root's) at the end of backward. LoRA
-    and partly frozen models train on the fairscale backend.
-T1. ``tango.integrations.torch.train.TorchTrainStep._train`` is wrapped, for every step, to
-    (a) add ``tango_fairscale`` to the modules Tango re-imports in its spawned workers
-    (``tango.common.util.get_extra_imported_modules()``), so a plain ``import tango_fairscale``
-    (a script, a custom step's module, a conftest) works as ``include_package`` does: without it
-    the workers resolved ``"fairscale"`` to ai2-tango's bundled engine; (b) for steps on the
-    ``"fairscale"`` engine, run :func:`tango_fairscale.preflight.preflight` before the workers
-    are spawned; (c) for distributed steps (any engine), serve the workers' rendezvous store from
-    the main process (:func:`tango_fairscale.launch.rendezvous_store`): Tango's default
-    ``distributed_port`` is replaced by a free one when taken (two runs on one machine), and a
-    port the config set that is taken is refused, naming ``distributed_port``; (d) under a
-    launcher of one ``tango`` per host (torchrun, srun; :func:`tango_fairscale.launch.detect_launch`),
-    meet the other hosts first (:func:`tango_fairscale.launch.host_rendezvous`) and spawn this
-    host's workers into the global world, with ``GLOO_SOCKET_IFNAME`` set to the interface that
-    reaches the master unless the user set it: Tango's ``_train`` only knows a world of one host.
-    A lost host, or one that failed first, ends the step with an error naming it. (e) While the
-    workers run, SIGINT and SIGTERM to the main process stop them
-    (:func:`tango_fairscale.launch.stop_workers_on_signals`): Tango left them training, orphaned
-    (SIGTERM) or waited for by a main process that had printed ``Aborted!`` (SIGINT). (f) On
-    steps of the engine, the model Tango builds in the main process after training, the step's
-    result, is built on ``meta`` and takes ``weights.pt``'s tensors as they are
-    (:mod:`tango_fairscale.step_result`): Tango's build-then-copy held the weights twice. The
-    engine's CPU workers are spawned with ``GLIBC_TUNABLES`` asking malloc to advise transparent
-    huge pages (:func:`tango_fairscale.cpu.memory.cpu_worker_environment`).
-T2. ``tango.integrations.torch.train._train``, the worker function Tango's ``_train`` passes to
-    ``mp.spawn``, is replaced by :func:`_train_worker`, which calls it: a distributed worker is
-    killed when its main process dies (``PR_SET_PDEATHSIG``; torch's spawn asks for SIGINT, which
-    a worker blocked in a collective does not see), and in a launch across hosts (T1 (d)) the
-    worker's spawn index becomes its global rank and its ``TrainConfig`` the global one (world
-    size, store address, devices indexed per host, each host's first worker its
-    ``is_local_main_process``). A worker that finished training closes its process groups before
-    it exits (:func:`tango_fairscale.teardown.close_process_groups`): destroyed, released by the
-    device meshes that torch's DTensor caches keep alive, and collected, so that gloo's threads
-    are joined while the interpreter lives. Left to interpreter shutdown, a gloo thread that
-    finished the last collective asked for the GIL during finalization, was ended by
-    ``pthread_exit`` and aborted the worker (SIGABRT, "terminate called without an active
-    exception"): one torch-backend run in six failed after it had written everything. A
-    module-level function, so that ``mp.spawn`` pickles it by name.
-T3. ``tango.common.registrable.import_module_and_submodules``, as Tango's registry search for an
-    unregistered type name calls it: an integration failing on an absent third-party package
-    (``datasets`` for the ``transformers`` integration) counts as a missing integration, as
-    Tango intends, so a typo gets Tango's "not a registered name" error instead of
-    ``No module named 'datasets'``.
-T4. ``torch.multiprocessing.spawn.ProcessContext.join`` gets a grace period of
-    :data:`SPAWN_GRACE_SECONDS` when called without one (as Tango's step does): after a worker
-    fails, a worker that ignores SIGTERM (stopped, or hung in C++) is killed 10 s later, not 30.
-T5. ``TrainConfig.is_distributed`` of the worker's config, while Tango's engine constructor runs
-    (:func:`process_group_already_started`): the engine started the process group with a timeout.
-W1. A warnings filter (no rebinding): torch's ``TypedStorage`` deprecation warning, when
-    FairScale's code triggers it.
-W2. A warnings filter: torch's "None of the inputs have requires_grad=True", raised from
-    FairScale's checkpoint wrapper, where it is false.
-W3. A warnings filter: setuptools' "pkg_resources is deprecated", raised where Tango's
-    ``tango.step_info`` imports ``pkg_resources`` (every ``tango run``, nothing a user can act on).
-T6. ``tango.step.Step.log_failure`` is wrapped: a step ended by SIGINT or SIGTERM
-    (:class:`tango_fairscale.launch.signals.TrainingStopped`, whose handler logged one line saying
-    so and how to resume) is not logged again, with a traceback and "Step failed", unless the
-    step's logger is at debug level: it is counted in Tango's list of logged exceptions
-    (``tango.common.logging._EXCEPTIONS_LOGGED``), so the run's log capture skips it too. Tango
-    still records the step as failed.
-D1. DCP's private ``DefaultSavePlanner._dedup_save_plans`` and ``_create_global_plan``, which the
-    torch backend's per-host planner overrides: checked (:func:`check_dcp_planner_overrides`).
-P1. ``torch.nn.Module.register_parameter``, while :func:`meta_parameter_registration` is active
-    in any thread: parameters registered by a thread inside
-    :func:`tango_fairscale.materialize.parameters_on_meta` are moved to the ``meta`` device.
-    Meanwhile ``torch.nn.init``'s :data:`META_SKIPPING_INITIALISERS` (``trunc_normal_``'s helper,
-    ``orthogonal_``, ``dirac_``, ``sparse_``), which return at once on a meta tensor, call the
-    materialiser's stand-in: on a parameter being recorded the call is recorded and run on a
-    scratch tensor, so that it is replayed when the parameter is allocated and the random
-    generator moves as in an eager build (unseen, the parameter would be left to its module's
-    initialiser and every later random draw shifted); elsewhere the function itself. The
-    rebindings are counted process-wide, so one thread leaving cannot remove them under another.
-H1. ``transformers.modeling_utils.Conv1D`` is set to ``transformers.pytorch_utils.Conv1D`` (the
-    same class, which GPT-2's layers are) just before Tango's
-    ``tango.integrations.transformers.ia3`` module runs, where ``transformers`` no longer has it:
-    that module imports it from there, so ``include_package`` of Tango's ``transformers``
-    integration, which imports every submodule, failed with ``ImportError: cannot import name
-    'Conv1D'`` on the ``transformers`` our extras install (4.57 no longer re-exports it there).
-H2. ``transformers.PreTrainedModel.from_pretrained`` (classmethod) is wrapped, when
-    ``transformers.modeling_utils`` is imported: in a thread that builds a model on ``meta`` (the
-    engine's ``init_on_meta``), it calls the loader :func:`install_transformers_patches` is given
-    (:func:`tango_fairscale.pretrained.load_on_meta`: each parameter marked with its tensor in the
-    safetensors files, read when its unit is materialised, as ``fairscale::from_pretrained``
-    does). Unrouted, transformers loaded the weights into parameters that P1 moved to ``meta``
-    as they were assigned: they were lost, and every worker trained from random weights without
-    an error (e.g. Tango's ``transformers::AutoModelForCausalLM::from_pretrained``). Everywhere
-    else it calls the original, unchanged.
+Each patch has an ID (F: FairScale, T: Tango, W: a warnings filter, D: torch's distributed
+checkpoint, P: torch's module and ``nn.init`` functions, H: ``transformers``), which the function
+that installs it names in its checks and errors. The one list of the patches, with each one's
+target, what installs it and why, is the table in ``docs/architecture.md`` ("The integration
+boundary"); a new patch gets its row there (``tests/test_docs.py`` checks that every ID named here
+has one).
 
 Registration over the bundled integration's names (``exist_ok=True``) is in :mod:`.registry`.
 """
@@ -166,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .backends.fairscale_fsdp.cpu_streams import NullStream, TorchWithCpuStreams, noop_record_stream
 from .cpu.collectives import GlooCollectives
 
 logger = logging.getLogger(__name__)
@@ -189,7 +69,6 @@ __all__ = [
     "CHECKED_VERSIONS",
     "CHECKED_WHEN_USED",
     "IncompatibleVersionError",
-    "NullStream",
     "cpu_fsdp_enabled",
     "disable_cpu_fsdp",
     "enable_cpu_fsdp",
@@ -447,7 +326,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T4, T6, F5-F7, W1-W3), once; ``import
+    Install the patches every process needs (T1-T3, T6, F5-F7, W1-W3), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -464,7 +343,6 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
         _install_flat_groups()
         _wrap_train_step()
         _quiet_integration_search()
-        _bound_spawn_grace()
         silence_internal_warnings()
         _quiet_reported_stops()
         _installed = True
@@ -524,6 +402,9 @@ def enable_cpu_fsdp() -> None:
         if _cpu_enabled:
             return
         check_version("fairscale")
+        # Imported here, so that importing compat (every process) imports no FairScale piece.
+        from .backends.fairscale_fsdp.cpu_streams import TorchWithCpuStreams, noop_record_stream
+
         fsdp_module, _ = _fairscale_modules()
         if _base_collectives_default is None:
             _base_collectives_default = _read_base_collectives_default()
@@ -898,28 +779,63 @@ def check_dcp_planner_overrides(planner_class: Any) -> None:
 #: again after SIGTERM, before SIGKILL.
 SPAWN_GRACE_SECONDS = 5.0
 
+_spawn_grace_lock = threading.Lock()
+#: How many ``spawn_grace`` blocks are open, in all threads; the rebinding lives while any is.
+_spawn_grace_blocks = 0
+#: ``ProcessContext.join`` as it was before the first open block rebound it.
+_spawn_join_original: Optional[Callable[..., Any]] = None
+#: Per thread: how many ``spawn_grace`` blocks this thread is inside.
+_spawn_grace_local = threading.local()
 
-def _bound_spawn_grace() -> None:
-    """
-    When one of Tango's workers fails, ``torch.multiprocessing``'s spawn context sends the others
-    SIGTERM and waits 30 s before SIGKILL. A worker that hangs (stopped, or stuck in C++ code that
-    never returns to Python's signal handling) ignores SIGTERM, so every such failure cost 30 s
-    more than the ``collective_timeout`` that detected it. Tango calls ``join()`` without a grace
-    period; this supplies one.
-    """
-    import importlib
 
+def _spawn_grace_depth() -> int:
+    depth: int = getattr(_spawn_grace_local, "depth", 0)
+    return depth
+
+
+@contextmanager
+def spawn_grace() -> Iterator[None]:
+    """
+    T4: inside, ``torch.multiprocessing``'s spawn contexts joined by this thread without a grace
+    period (as Tango's step calls ``mp.spawn``) get :data:`SPAWN_GRACE_SECONDS`. When one of
+    Tango's workers fails, the spawn context sends the others SIGTERM and waits 30 s before
+    SIGKILL; a worker that hangs (stopped, or stuck in C++ code that never returns to Python's
+    signal handling) ignores SIGTERM, so every such failure cost 30 s more than the
+    ``collective_timeout`` that detected it. ``mp.spawn`` takes no grace period, so Tango's step
+    cannot be given one: ``ProcessContext.join`` is rebound while a block is open (in any thread:
+    counted, so one thread leaving cannot remove it under another), and restored when the last one
+    ends; other threads' joins, and joins given a grace period, are passed through unchanged.
+    The step's logic opens it around Tango's ``_train`` (:func:`tango_fairscale.train_step.run_step`).
+    """
+    global _spawn_grace_blocks, _spawn_join_original
     # The module: ``torch.multiprocessing.spawn`` as an attribute is the function of that name.
     spawn = importlib.import_module("torch.multiprocessing.spawn")
-    _require_attributes(spawn, ("ProcessContext",), "T4")
-    _require_attributes(spawn.ProcessContext, ("join",), "T4")
-    original = spawn.ProcessContext.join
-    if getattr(original, "_tango_fairscale", False):
-        return
+    with _spawn_grace_lock:
+        if _spawn_grace_blocks == 0:
+            _require_attributes(spawn, ("ProcessContext",), "T4")
+            _require_attributes(spawn.ProcessContext, ("join",), "T4")
+            original = spawn.ProcessContext.join
 
-    @functools.wraps(original)
-    def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
-        return original(self, timeout, SPAWN_GRACE_SECONDS if grace_period is None else grace_period)
+            @functools.wraps(original)
+            def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
+                if grace_period is None and _spawn_grace_depth() > 0:
+                    grace_period = SPAWN_GRACE_SECONDS
+                return original(self, timeout, grace_period)
 
-    join._tango_fairscale = True  # type: ignore[attr-defined]
-    spawn.ProcessContext.join = join  # type: ignore[method-assign]
+            join._tango_fairscale = True  # type: ignore[attr-defined]
+            spawn.ProcessContext.join = join  # type: ignore[method-assign]
+            _spawn_join_original = original
+        _spawn_grace_blocks += 1
+    _spawn_grace_local.depth = _spawn_grace_depth() + 1
+    try:
+        yield
+    finally:
+        _spawn_grace_local.depth -= 1
+        with _spawn_grace_lock:
+            _spawn_grace_blocks -= 1
+            if _spawn_grace_blocks == 0:
+                if getattr(spawn.ProcessContext.join, "_tango_fairscale", False):
+                    spawn.ProcessContext.join = _spawn_join_original  # type: ignore[method-assign]
+                else:  # rebound again by someone else meanwhile: theirs is left in place
+                    logger.warning("ProcessContext.join was rebound during a step: left as it is (T4)")
+                _spawn_join_original = None

@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import sys
+import weakref
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -240,10 +241,14 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 self.hosts.local_world_size if self.hosts is not None else train_config.world_size
             )
             apply_threads(choose_threads(cpu_threads_per_worker, os.environ, workers_on_host))
+        #: What the engine holds in the process for its life (the malloc threshold), ended by
+        #: :meth:`close`, or when the engine is collected.
+        self._process_settings = ExitStack()
+        weakref.finalize(self, self._process_settings.close)
         if on_cpu:
             # The backend's threshold for what a step allocates and frees; the model's shards and
-            # what a checkpoint loads outlive it (cpu/memory.py).
-            limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold)
+            # what a checkpoint loads outlive it (cpu/memory.py). Process-wide: restored by close().
+            self._process_settings.enter_context(limit_cpu_heap_growth(self.sharding.cpu_mmap_threshold))
         if train_config.is_distributed:
             _start_process_group(train_config, on_cpu, collective_timeout)
         # Tango's engine would build a torch.cuda.amp.GradScaler whenever amp is on (deprecated,
@@ -383,6 +388,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             parameter.grad = None
         # And what training left in reference cycles (autograd graphs, checkpoint planners).
         gc.collect()
+
+    def close(self) -> None:
+        """
+        Give back what the engine set for the whole process: the malloc threshold of CPU workers
+        (:func:`~tango_fairscale.cpu.memory.limit_cpu_heap_growth`, restored as far as glibc
+        allows). Idempotent; also done when the engine is collected. Tango's worker never calls
+        it: a spawned worker ends with the process (:mod:`tango_fairscale.teardown`).
+        """
+        self._process_settings.close()
 
     def save_complete_weights_from_checkpoint(self, checkpoint_dir: Path, weights_path: Path) -> None:
         # Written one tensor at a time from shards that are mapped, not read into private memory,

@@ -280,7 +280,7 @@ def _worker(
 
     from .launch import die_with_parent
     from .launch.signals import end_quietly_on_signals
-    from .teardown import close_process_groups
+    from .teardown import end_finished_worker
 
     die_with_parent()
     end_quietly_on_signals()
@@ -304,7 +304,8 @@ def _worker(
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(json.dumps(asdict(totals)))
         os.replace(temporary, path)
-    close_process_groups()
+    # Without the interpreter's finalization, where gloo's threads can abort it (teardown.py).
+    end_finished_worker()
 
 
 @Step.register(STEP_NAME)
@@ -473,6 +474,7 @@ class Evaluate(Step):
         """The workers spawned as ``torch::train`` spawns them, the rendezvous store served from here."""
         import torch.multiprocessing as mp
 
+        from . import compat
         from .cpu.memory import cpu_worker_environment
         from .launch import environment, free_port, rendezvous_store
 
@@ -481,7 +483,11 @@ class Evaluate(Step):
         result_path = work_dir / RESULT_FILE_NAME
         result_path.unlink(missing_ok=True)
         workers_env = cpu_worker_environment(os.environ) if devices[0] < 0 else {}
-        with environment(workers_env), rendezvous_store(free_port(), set_in_config=False) as port:
+        with (
+            environment(workers_env),
+            rendezvous_store(free_port(), set_in_config=False) as port,
+            compat.spawn_grace(),  # T4, as for torch::train's workers
+        ):
             mp.spawn(
                 _worker,
                 args=(

@@ -1,6 +1,7 @@
 """
-A worker's orderly exit: every process group destroyed, and gloo's threads joined or idle, while
-the interpreter is still alive.
+A finished worker's exit: its process groups destroyed, its logs, standard streams and exit
+handlers flushed and run while the interpreter is fully alive, then the process ended with
+``os._exit(0)``, without the interpreter's finalization.
 
 Why it matters. Each gloo process group runs collectives on two C++ threads of its own
 (``pt_gloo_runloop``). When a thread finishes a collective it drops its reference to the
@@ -13,25 +14,39 @@ collective returned a moment before the worker exited, which is most runs' endin
 of one: ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit`` on a
 ``ProcessGroupGloo::runLoop`` thread while the main thread was in ``Py_FinalizeEx``).
 
-``dist.destroy_process_group()`` alone does not prevent it. Gloo's ``shutdown`` and ``abort``
-leave the threads running; only the process group's destructor joins them, and it runs when the
-last reference goes. Under the torch backend (FSDP2), DTensor's sharding-propagation and
-redistribution caches keep the ``DeviceMesh`` objects alive (the caches pytorch/pytorch#172504
-clears between tests), and each mesh holds its groups in ``_pg_registry``. Under the fairscale
-backend, FairScale caches the groups its FSDP makes for the life of the process.
-:func:`close_process_groups` drops every reference to a group that Python can see
-(:func:`release_process_groups`) and collects the model's reference cycles: the destructors run
-and join the threads (they release the GIL, so a thread finishing a work object can take it).
-Groups that only C++ still references (FairScale's: each FSDP unit stays alive through the
-autograd hooks it registered on its parameters) cannot be released; then the worker waits
-:data:`GRACE_SECONDS`, the GIL released, for their threads to drop their last work objects.
+Why not join the threads instead. ``dist.destroy_process_group()`` does not stop them: only a
+group's destructor joins them, when its last reference goes, and torch's DTensor caches (FSDP2)
+and the autograd hooks of FairScale's units (held from C++) keep groups alive that no code of
+ours made or can reach. Without finalization no thread can ask for a GIL that is being torn
+down: ``_exit`` ends every thread at once.
+
+What a normal exit does that still happens, first: objects that are garbage are finalized
+(``gc.collect()``: their ``__del__`` and weak reference callbacks run); threading's exit
+callbacks run (``concurrent.futures``' executors told to stop) and the threads that are not
+daemons are joined (Python's own rule); the ``atexit`` handlers run (``logging.shutdown``: every
+handler flushed and closed, Tango's socket to the main process's log server among them;
+``multiprocessing``'s clean-up of its children; a service's client, such as W&B's); and
+``sys.stdout`` and ``sys.stderr`` are flushed. What no longer happens: objects still referenced
+(from a module's globals, say) are not finalized, so a file that a user's code keeps open without
+flushing loses its buffer. What the package writes is durable before the worker gets here:
+checkpoint files and ``weights.pt`` through
+:func:`~tango_fairscale.checkpointing.files.atomic_file` (fsynced, renamed, directory fsynced),
+the metrics log and the loggers' journals flushed per line, the loggers closed in
+``post_train_loop``.
+
+How the main process learns that the worker succeeded: ``torch.multiprocessing.spawn`` counts a
+worker whose exit status is 0 as finished; only a worker whose function raised writes the error
+file its ``join`` reads (and exits 1). Only a worker that finished ends here: one that raised may
+have a peer inside a collective with it, and its error must reach the main process at once.
 """
 
+import atexit
 import gc
 import logging
 import os
-import time
-from typing import Any, Callable, List, Optional, Tuple
+import sys
+import threading
+from typing import NoReturn, Optional
 
 import torch.distributed as dist
 
@@ -39,9 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: The name gloo gives the threads that run a process group's collectives.
 GLOO_THREAD_NAME = "pt_gloo_runloop"
-#: Seconds a finished worker whose gloo threads could not be joined waits, the GIL released, for
-#: them to drop their last work objects before the interpreter finalizes.
-GRACE_SECONDS = 0.25
 
 
 def gloo_threads() -> Optional[int]:
@@ -60,81 +72,48 @@ def gloo_threads() -> Optional[int]:
     return count
 
 
-def release_process_groups() -> int:
-    """
-    Drop every reference to a process group that the garbage collector can see: in instance
-    attributes, dicts and lists (and the dicts and lists directly inside those, which the collector
-    may not track). Returns how many were dropped. Call it only after
-    ``dist.destroy_process_group()``, at the end of a worker: the objects that held them (FSDP units
-    and their buckets, device meshes, FairScale's group cache) cannot communicate afterwards.
-
-    Why every holder and not a list of them: under the torch backend, DTensor's caches keep the
-    device meshes alive, which hold their groups in ``_pg_registry``; under the fairscale backend,
-    each FSDP unit is kept alive by the autograd hooks it registered on its parameters (a cycle
-    through C++ that the collector cannot break), and FairScale keeps the groups it made in a
-    cache of its own for the life of the process.
-    """
-    group_type = dist.ProcessGroup
-    dropped = 0
-
-    def scrub(container: Any, depth: int) -> None:
-        # Plain dicts and lists only, through their own methods: subclasses may compute their
-        # items (transformers' lazy auto-mappings import modules), or guard them.
-        nonlocal dropped
-        items: List[Tuple[Any, Any]]
-        put: Callable[[Any, Any, Any], None]
-        if type(container) is dict:
-            items, put = list(dict.items(container)), dict.__setitem__
-        elif type(container) is list:
-            items, put = list(enumerate(list.copy(container))), list.__setitem__
-        else:
-            return
-        for key, value in items:
-            if issubclass(type(value), group_type):
-                put(container, key, None)
-                dropped += 1
-            elif depth:
-                scrub(value, depth - 1)
-
-    for obj in gc.get_objects():
-        kind = type(obj)
-        if kind is dict or kind is list:
-            scrub(obj, 1)
-            continue
-        if issubclass(kind, type):  # classes: their attributes are not instances' references
-            continue
-        try:
-            # An instance's attributes (Python 3.11+ keeps them inline, with no dict the collector lists).
-            attributes = object.__getattribute__(obj, "__dict__")
-        except Exception:  # noqa: BLE001 - no __dict__ (slots, C types), or one that refuses
-            continue
-        scrub(attributes, 1)
-    return dropped
-
-
 def close_process_groups() -> None:
     """
-    At the end of a worker that finished: destroy its process groups and make sure gloo's threads
-    are joined before the interpreter exits. Local (not collective): each worker closes its own
-    end. Not for a worker that failed: there a peer may still be inside a collective with it,
-    and joining the threads would wait for that collective to time out.
+    Destroy this process's process groups (the default one and every group made from it) and
+    collect the garbage that held them. Local (not collective): each worker closes its own end.
+    It does not make the exit safe by itself (see the module): a finished worker of a step ends
+    with :func:`end_finished_worker`, which calls it.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    dist.destroy_process_group()
-    try:
-        release_process_groups()
-    except Exception as error:  # noqa: BLE001 - the run is done: leave the groups, never fail it here
-        logger.warning("Could not release the process groups at exit (%s: %s)", type(error).__name__, error)
-    # The engine, model and optimizer form reference cycles (hooks, FSDP states) that hold
-    # process groups too; collecting them now runs the groups' destructors, which join the threads.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    # The engine, model and optimizer form reference cycles (hooks, FSDP states): collected now,
+    # while the interpreter lives, their finalizers run as they would have at exit.
     gc.collect()
-    left = gloo_threads()
-    if left:
-        # Groups referenced from C++ only (FairScale's, through the autograd hooks of its units)
-        # cannot be released from here, and their threads outlive this function. What a thread
-        # does after it finished the last collective is drop that collective's work object, which
-        # takes the GIL once: give it the time to, with the GIL released, before the interpreter
-        # finalizes. Measured: scripts/repeat_run.py, docs/architecture.md.
-        time.sleep(GRACE_SECONDS)
-        logger.debug("%d gloo thread(s) left after the process group was destroyed", left)
+
+
+def end_finished_worker() -> NoReturn:
+    """
+    End a spawned worker that finished: :func:`close_process_groups`, what a normal exit runs
+    (the threads that are not daemons joined, the ``atexit`` handlers, the standard streams
+    flushed), then ``os._exit(0)`` (see the module for why, and what is not done). Only for a
+    process that ``torch.multiprocessing.spawn`` started to run a step's worker function, after
+    that function returned: never in a process that has more to do.
+    """
+    try:
+        close_process_groups()
+    except Exception as error:  # noqa: BLE001 - the run is done: exit 0 all the same
+        logger.warning("Could not close the process groups at exit (%s: %s)", type(error).__name__, error)
+    # What the interpreter calls at exit, in its order, here while it is alive (gloo's threads
+    # may still run): threading's exit callbacks (concurrent.futures' executors told to stop) and
+    # the threads that are not daemons joined, then the atexit handlers.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is not None and threading.current_thread() is threading.main_thread():
+        shutdown_threads()
+    else:
+        current = threading.current_thread()
+        for thread in threading.enumerate():
+            if thread is not current and not thread.daemon and thread is not threading.main_thread():
+                thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()  # idempotent; in case a handler unregistered it from atexit
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # none, closed, or a closed pipe
+            pass
+    os._exit(0)

@@ -7,11 +7,13 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
   callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
   host (the rendezvous store served from here) or a launch across hosts (any number of workers
   per host, 1 included); the engine's CPU workers spawned with malloc advising transparent huge pages
-  (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); a worker's ``CheckpointError``
+  (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); the step's workers joined with a
+  grace period (:func:`~tango_fairscale.compat.spawn_grace`, T4); a worker's ``CheckpointError``
   told as its one line.
 - :func:`run_worker`, in each spawned worker: dies with its main process, and is stopped by it
   quietly (SIGINT ignored, SIGTERM ends it at once); across hosts, its
-  global rank and ``TrainConfig``; its process groups closed once it finished. In the main
+  global rank and ``TrainConfig``; once it finished, it ends without the interpreter's
+  finalization (:func:`~tango_fairscale.teardown.end_finished_worker`). In the main
   process of a host with one worker (Tango runs a step of one device in-process), it spawns that
   worker with the config of distributed training.
 """
@@ -26,18 +28,17 @@ from tango.common import Lazy
 from tango.common.exceptions import ConfigurationError
 from torch.multiprocessing import ProcessRaisedException
 
-from . import compat
+from . import compat, teardown
 from . import launch as launching
 from .callbacks import RestoreRandomState
 from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
 from .devices import devices_are_cpu
-from .errors import worker_checkpoint_error
+from .errors import CheckpointError, refused, worker_checkpoint_error
 from .launch.signals import end_quietly_on_signals
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
 from .step_result import FinalModelOnMeta, finish_result, spawned_workers_result
-from .teardown import close_process_groups
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,29 @@ def with_engine_callbacks(callbacks: Any) -> List[Any]:
     return callbacks
 
 
-def run_step(
+def run_step(original: Callable[..., Any], step: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tango's ``TorchTrainStep._train`` (``original``) of ``step``, with what this package adds (T1)."""
+    try:
+        return _run_step(original, step, *args, **kwargs)
+    except ProcessRaisedException as error:
+        # (g) A worker's CheckpointError (a refused checkpoint, a full disk), configuration error
+        # or timed-out collective is one line, not mp.spawn's traceback quoting the worker's.
+        one_line = worker_checkpoint_error(error)
+        if one_line is None:
+            raise
+        logger.debug("The worker's error, as mp.spawn reported it:%s", error)
+        raise one_line from error
+    except (ConfigurationError, CheckpointError) as error:
+        # (h) A refusal in this process (the launch's environment, the hosts' rendezvous, the
+        # engine's checks) is one line too, not Tango's "Uncaught exception" traceback.
+        line = refused(error)
+        if line is None:
+            raise
+        logger.debug("The refusal, with its traceback:", exc_info=error)
+        raise line from error
+
+
+def _run_step(
     original: Callable[..., Any],
     step: Any,
     model: Any,
@@ -77,7 +100,6 @@ def run_step(
     train_dataloader: Any,
     **kwargs: Any,
 ) -> Any:
-    """Tango's ``TorchTrainStep._train`` (``original``) of ``step``, with what this package adds (T1)."""
     # (a) The set is Tango's own; it is passed to mp.spawn by the original _train.
     compat.extra_imported_modules().add(PACKAGE)
     on_fairscale = uses_fairscale_engine(training_engine)
@@ -118,17 +140,10 @@ def run_step(
         args = (FinalModelOnMeta(model), *args[1:])
     # CPU workers start with malloc advising huge pages (glibc reads it only at a start).
     workers_env = cpu_worker_environment(os.environ) if on_fairscale and devices_are_cpu(devices) else {}
-    try:
-        with launching.environment(workers_env):
-            return _train_distributed(step, launch, original, args, kwargs)
-    except ProcessRaisedException as error:
-        # (g) A worker's CheckpointError (a refused checkpoint, a full disk) is one line, not
-        # mp.spawn's traceback quoting the worker's.
-        one_line = worker_checkpoint_error(error)
-        if one_line is None:
-            raise
-        logger.debug("The worker's error, as mp.spawn reported it:%s", error)
-        raise one_line from error
+    # (i) T4: a worker that ignores SIGTERM after another failed is killed sooner, in the spawns
+    # of this step only.
+    with launching.environment(workers_env), compat.spawn_grace():
+        return _train_distributed(step, launch, original, args, kwargs)
 
 
 def _train_distributed(
@@ -221,8 +236,8 @@ def run_worker(
     on this host (T2). Distributed workers die with the process that spawned them, which alone
     acts on SIGINT and SIGTERM and stops them (:func:`~.launch.signals.end_quietly_on_signals`). In a launch
     across hosts the index becomes the global rank, and the worker's ``TrainConfig`` the global one
-    (:func:`tango_fairscale.launch.worker_train_config`). A worker that finished closes its process
-    groups before it exits.
+    (:func:`tango_fairscale.launch.worker_train_config`). A distributed worker that finished ends
+    here (:func:`~tango_fairscale.teardown.end_finished_worker`): it does not return.
     """
     world = launching.HostWorld.from_environment(os.environ)
     if world is not None and not getattr(config, "is_distributed", False):
@@ -240,11 +255,13 @@ def run_worker(
         os.environ.update(launching.worker_environment(world, process_index))
         host_config = launching.worker_train_config(config, world)
         result = original(world.global_rank(process_index), workspace, host_config, *args, **kwargs)
-    # Tango leaves the process group to interpreter shutdown, where a gloo thread finishing the
-    # last collective could ask for the GIL and abort the worker (SIGABRT) after everything was
-    # written: see tango_fairscale.teardown. Only on success: a worker that raised may have a peer
-    # inside a collective with it, and its error must reach the main process without waiting.
-    close_process_groups()
+    if getattr(config, "is_distributed", False):
+        # A spawned worker that finished: left to the interpreter's finalization, a gloo thread
+        # finishing the last collective could ask for the GIL and abort the worker (SIGABRT) after
+        # everything was written; it ends without it (see tango_fairscale.teardown). Only on
+        # success: a worker that raised may have a peer inside a collective with it, and its
+        # error must reach the main process without waiting.
+        teardown.end_finished_worker()
     return result
 
 

@@ -406,12 +406,10 @@ def _in_place_of_a_tango_run_worker() -> Iterator[None]:
       stay in this process, where :class:`_Capture` collects them for the test. Tango has no setting
       that keeps them: the server's port is read when ``tango.common.logging`` is imported, and
       the records would reach the test process out of order with the jobs.
-    - ``tango_fairscale.teardown.release_process_groups``, which the package's worker function (T2)
-      calls through ``close_process_groups`` when the loop has finished: it scans every object of
-      the process for references to process groups, 1.9 and 2.9 s a job in these workers (measured
-      after a toy run: 322 k objects), and exists for the interpreter's finalization, which these
-      workers never reach (they end with ``os._exit``). The rest of ``close_process_groups`` runs as
-      in a ``tango run``: the group destroyed, the cycles collected.
+    - ``tango_fairscale.teardown.end_finished_worker``, which the package's worker function (T2)
+      calls when the loop has finished: it ends the process (``os._exit``), and these workers go
+      on to their next job. What it does first runs as in a ``tango run``:
+      ``close_process_groups`` (the group destroyed, the cycles collected).
     """
     from tango.common import logging as tango_logging
 
@@ -421,7 +419,7 @@ def _in_place_of_a_tango_run_worker() -> Iterator[None]:
         stack.enter_context(
             mock.patch.object(tango_logging, "initialize_worker_logging", lambda worker_rank=None: None)
         )
-        stack.enter_context(mock.patch.object(teardown, "release_process_groups", lambda: 0))
+        stack.enter_context(mock.patch.object(teardown, "end_finished_worker", teardown.close_process_groups))
         yield
 
 

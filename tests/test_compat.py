@@ -1,5 +1,7 @@
 """The CPU support changes FairScale's FSDP module only, and only while enabled."""
 
+import importlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,14 +24,14 @@ def test_enable_is_scoped_and_reversible() -> None:
         compat.enable_cpu_fsdp()  # idempotent
         assert compat.cpu_fsdp_enabled()
         # FairScale's module sees CPU streams ...
-        assert fsdp_module.torch.cuda.Stream is compat.NullStream
+        assert fsdp_module.torch.cuda.Stream is streams.NullStream
         assert fsdp_module.torch.cuda.is_available()
         assert fsdp_module.torch.zeros is torch.zeros
         # ... the rest of the process does not.
         assert torch.cuda.Stream is real_cuda_stream
         assert torch.cuda.is_available is real_is_available
         # record_stream is a no-op on CPU tensors.
-        torch.zeros(2).record_stream(compat.NullStream())
+        torch.zeros(2).record_stream(streams.NullStream())
     finally:
         compat.disable_cpu_fsdp()
     assert fsdp_module.torch is torch
@@ -53,14 +55,89 @@ def test_heap_limit_respects_the_environment(monkeypatch) -> None:  # type: igno
     # real is tested in fresh processes (tests/test_cpu_memory.py, where the tensors land).
     applied: list = []
     monkeypatch.setattr(memory, "_set_mmap_threshold", lambda threshold: applied.append(threshold) or True)
-    monkeypatch.setattr(memory, "_applied_threshold", None)
+    monkeypatch.setattr(memory, "_in_effect", None)
+    monkeypatch.setattr(memory, "_blocks", [])
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
-    assert memory.limit_cpu_heap_growth() is False
-    assert applied == [] and memory._applied_threshold is None
+    with memory.limit_cpu_heap_growth() as limited:
+        assert limited is False
+    assert applied == [] and memory.current_mmap_threshold() is None
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     on_linux = sys.platform.startswith("linux")
-    assert memory.limit_cpu_heap_growth() is on_linux
-    assert applied == ([memory.MMAP_THRESHOLD_BYTES] if on_linux else [])
+    with memory.limit_cpu_heap_growth() as limited:
+        assert limited is on_linux
+        assert applied == ([memory.MMAP_THRESHOLD_BYTES] if on_linux else [])
+    # Restored when the block ends: glibc's own threshold cannot be, its ceiling is set instead.
+    assert applied == (
+        [memory.MMAP_THRESHOLD_BYTES, memory.RESTORED_MMAP_THRESHOLD_BYTES] if on_linux else []
+    )
+    assert memory._blocks == []
+
+
+def test_the_spawn_grace_is_given_only_inside_the_block_and_its_thread(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    # The module (``torch.multiprocessing.spawn`` as an attribute is the function).
+    spawn = importlib.import_module("torch.multiprocessing.spawn")
+
+    # Importing the package (this test process did) leaves every spawn as torch made it.
+    assert not getattr(spawn.ProcessContext.join, "_tango_fairscale", False)
+    calls: list = []
+
+    def recorder(self, timeout=None, grace_period=None):  # type: ignore[no-untyped-def]
+        calls.append((self, timeout, grace_period))
+        return True
+
+    monkeypatch.setattr(spawn.ProcessContext, "join", recorder)
+
+    def join_in_another_thread() -> None:
+        thread = threading.Thread(target=lambda: spawn.ProcessContext.join("other"))
+        thread.start()
+        thread.join()
+
+    spawn.ProcessContext.join("before")
+    with compat.spawn_grace():
+        spawn.ProcessContext.join("step")
+        spawn.ProcessContext.join("step, given", 1.0, 2.0)
+        join_in_another_thread()
+        with compat.spawn_grace():  # nested: one rebinding
+            spawn.ProcessContext.join("nested")
+    spawn.ProcessContext.join("after")
+    assert spawn.ProcessContext.join is recorder
+    assert calls == [
+        ("before", None, None),
+        ("step", None, compat.SPAWN_GRACE_SECONDS),
+        ("step, given", 1.0, 2.0),
+        ("other", None, None),
+        ("nested", None, compat.SPAWN_GRACE_SECONDS),
+        ("after", None, None),
+    ]
+
+
+def test_the_spawn_grace_stays_while_another_thread_is_inside(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    # The module (``torch.multiprocessing.spawn`` as an attribute is the function).
+    spawn = importlib.import_module("torch.multiprocessing.spawn")
+
+    original = spawn.ProcessContext.join
+    entered, leave = threading.Event(), threading.Event()
+
+    def step_in_another_thread() -> None:
+        with compat.spawn_grace():
+            entered.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=step_in_another_thread)
+    thread.start()
+    assert entered.wait(30)
+    with compat.spawn_grace():
+        pass
+    # This thread's block ended first: the other's rebinding is still in place ...
+    assert getattr(spawn.ProcessContext.join, "_tango_fairscale", False)
+    leave.set()
+    thread.join(30)
+    # ... until it ends too.
+    assert spawn.ProcessContext.join is original
 
 
 def test_ring_takes_only_equal_contiguous_pieces() -> None:

@@ -54,11 +54,16 @@ print("HUGE_KIB:", int(huge[0].split()[1]), float(tensor.sum()))
 
 # Where 4 MiB tensors land under a 16 MiB mmap threshold (heap: glibc's main heap, or a mapping
 # of its own): before, inside and after long_lived_allocations, nested in it, and under a
-# threshold of 2 MiB or less (which it leaves alone).
+# threshold of 2 MiB or less (which it leaves alone); then the thresholds of blocks that end in
+# and out of order, and what is left when the last one ended (24 MiB tensors: a mapping under
+# 16 MiB, the heap under the restored 32 MiB).
 WHERE_TENSORS_LAND = """
 import json
+from contextlib import ExitStack
 import torch
-from tango_fairscale.cpu.memory import limit_cpu_heap_growth, long_lived_allocations
+from tango_fairscale.cpu.memory import (
+    RESTORED_MMAP_THRESHOLD_BYTES, current_mmap_threshold, limit_cpu_heap_growth, long_lived_allocations
+)
 
 def where(tensor):
     address = tensor.data_ptr()
@@ -67,29 +72,46 @@ def where(tensor):
         if start <= address < end:
             return "heap" if line.rstrip().endswith("[heap]") else "mapping"
 
-assert limit_cpu_heap_growth(16 << 20)
-found, kept = {}, []
-def allocate(name):
-    kept.append(torch.ones(1 << 20))  # 4 MiB, written
+found, kept, thresholds = {}, [], {"at start": current_mmap_threshold()}
+def allocate(name, mib=4):
+    kept.append(torch.ones(mib << 18))  # written
     found[name] = where(kept[-1])
-allocate("before")
-with long_lived_allocations():
-    allocate("inside")
-allocate("after")
-with long_lived_allocations():
+with limit_cpu_heap_growth(16 << 20) as applied:
+    assert applied
+    allocate("before")
     with long_lived_allocations():
-        allocate("nested")
-    allocate("after nested")
-allocate("after both")
-with long_lived_allocations():
-    assert limit_cpu_heap_growth(32 << 20)  # recorded, applied when the block ends
-    allocate("threshold set inside")
-allocate("after it")
-assert limit_cpu_heap_growth(1 << 20)
-with long_lived_allocations():
-    kept.append(torch.ones(1 << 18))  # 1 MiB: a mapping under the 1 MiB threshold, left alone
-    found["1 MiB threshold"] = where(kept[-1])
-print("WHERE:", json.dumps(found))
+        allocate("inside")
+    allocate("after")
+    with long_lived_allocations():
+        with long_lived_allocations():
+            allocate("nested")
+        allocate("after nested")
+    allocate("after both")
+    with long_lived_allocations():
+        with limit_cpu_heap_growth(32 << 20):  # recorded, applied when the long-lived block ends
+            allocate("threshold set inside")
+            thresholds["set inside"] = current_mmap_threshold()
+        allocate("inside, after it ended")
+    allocate("after it")
+    with limit_cpu_heap_growth(1 << 20):
+        with long_lived_allocations():
+            kept.append(torch.ones(1 << 18))  # 1 MiB: a mapping under the 1 MiB threshold, left alone
+            found["1 MiB threshold"] = where(kept[-1])
+    allocate("1 MiB block ended")
+    thresholds["1 MiB block ended"] = current_mmap_threshold()
+    allocate("24 MiB under 16 MiB", 24)
+# Blocks ending out of order (the engine's end when it is collected): the newest still open applies.
+first, second = ExitStack(), ExitStack()
+first.enter_context(limit_cpu_heap_growth(16 << 20))
+second.enter_context(limit_cpu_heap_growth(1 << 20))
+first.close()
+thresholds["older ended first"] = current_mmap_threshold()
+allocate("older ended first")
+second.close()
+thresholds["all ended"] = current_mmap_threshold()
+allocate("24 MiB after all ended", 24)
+assert RESTORED_MMAP_THRESHOLD_BYTES == 32 << 20
+print("WHERE:", json.dumps({"found": found, "thresholds": thresholds}))
 """
 
 
@@ -151,9 +173,9 @@ def test_the_workers_of_a_tango_run_advise_huge_pages(toy_run: ToyRun) -> None:
 def test_long_lived_allocations_get_mappings_of_their_own(scripts: ConcurrentProcesses) -> None:
     result = scripts.result("long_lived")
     assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.split("WHERE:")[1])
-    print(found)
-    assert found == {
+    reported = json.loads(result.stdout.split("WHERE:")[1])
+    print(reported)
+    assert reported["found"] == {
         "before": "heap",
         "inside": "mapping",
         "after": "heap",
@@ -161,6 +183,18 @@ def test_long_lived_allocations_get_mappings_of_their_own(scripts: ConcurrentPro
         "after nested": "mapping",  # still inside the outer one
         "after both": "heap",
         "threshold set inside": "mapping",
+        "inside, after it ended": "mapping",
         "after it": "heap",
         "1 MiB threshold": "mapping",
+        "1 MiB block ended": "heap",  # the enclosing block's 16 MiB again
+        "24 MiB under 16 MiB": "mapping",
+        "older ended first": "mapping",  # the 1 MiB block still open
+        "24 MiB after all ended": "heap",  # restored: glibc's dynamic threshold's ceiling, 32 MiB
+    }
+    assert reported["thresholds"] == {
+        "at start": None,  # glibc's own threshold, which nothing set
+        "set inside": 2 << 20,  # the long-lived block's, until it ends
+        "1 MiB block ended": 16 << 20,
+        "older ended first": 1 << 20,
+        "all ended": 32 << 20,
     }

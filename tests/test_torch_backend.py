@@ -765,8 +765,9 @@ def test_metadata_of_a_real_checkpoint_names_only_allowed_globals(trained: Path)
     assert seen - dtypes <= safe_reading.METADATA_GLOBALS
 
 
-def test_readme_shows_the_option_mapping() -> None:
-    assert torch_fsdp.render_option_table(with_reasons=False) in (REPO / "README.md").read_text()
+def test_configuration_reference_shows_the_option_mapping() -> None:
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    assert torch_fsdp.render_option_table(with_reasons=False) in reference
 
 
 def test_each_backend_refuses_the_others_checkpoint(tmp_path: Path) -> None:
@@ -910,19 +911,27 @@ def _tampered_copy(checkpoint: Path, copy: Path, tampering: str, marker: Path) -
     checkpointing.write_marker(copy, world_size=fields.pop("world_size"), extra=fields)
 
 
-def _heap_or_mapping(worker: harness.Worker, backend: str, work_dir: Path) -> str:
-    """Where a 5 MiB allocation lands on a CPU worker once ``backend``'s engine is built."""
+def _heap_or_mapping(worker: harness.Worker, backend: str, work_dir: Path) -> Tuple[str, str]:
+    """
+    Where a 5 MiB allocation lands on a CPU worker while ``backend``'s engine lives, and once it
+    is closed (the threshold restored: glibc's dynamic threshold's ceiling, 32 MiB).
+    """
     from tests.helpers import train_config
 
+    def where() -> str:
+        tensor = torch.empty(5 << 20, dtype=torch.uint8)  # held while the maps are read
+        address = tensor.data_ptr()
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+            if start <= address < end:
+                return "heap" if line.endswith("[heap]") else "mapping"
+        raise AssertionError(f"{address:#x} is in no mapping of /proc/self/maps")
+
     experiment = train_config(engine="fairscale", wrap="nested", engine_extra={"backend": backend})
-    worker.engine(experiment, work_dir / backend)
-    tensor = torch.empty(5 << 20, dtype=torch.uint8)  # held while the maps are read
-    address = tensor.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
-        if start <= address < end:
-            return "heap" if line.endswith("[heap]") else "mapping"
-    raise AssertionError(f"{address:#x} is in no mapping of /proc/self/maps")
+    engine = worker.engine(experiment, work_dir / backend)
+    living = where()
+    engine.close()
+    return living, where()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
@@ -931,11 +940,12 @@ def test_each_backend_sets_the_cpu_mmap_threshold_its_buffers_need(
 ) -> None:
     # FSDP2 gathers one tensor per parameter (MiBs each) rather than FairScale's flat units: a
     # 5 MiB tensor gets its own mapping under the torch backend's 4 MiB threshold, comes from the
-    # heap under the fairscale backend's 16 MiB. Fresh workers for each.
+    # heap under the fairscale backend's 16 MiB; the engine closed, the heap under both. Fresh
+    # workers for each.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     for backend, expected in (("fairscale", "heap"), ("torch", "mapping")):
         (result,) = harness.run([harness.Call(_heap_or_mapping, (backend, tmp_path))], out=tmp_path / backend)
-        assert result.check().values == [expected, expected], (backend, result.describe())
+        assert result.check().values == [(expected, "heap")] * 2, (backend, result.describe())
 
 
 # --- Through `tango run`: a checkpoint of other parameters, tampered files -------------------------------

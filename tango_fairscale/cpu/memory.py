@@ -3,8 +3,9 @@
 import ctypes
 import os
 import sys
+import threading
 from contextlib import contextmanager
-from typing import Dict, Iterator, Mapping, Optional
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -14,14 +15,37 @@ MMAP_THRESHOLD_BYTES = 16 << 20
 LONG_LIVED_MMAP_THRESHOLD_BYTES = 2 << 20
 
 
-def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+#: What the threshold is set back to when the last :func:`limit_cpu_heap_growth` block ends, where
+#: none was set before the first began: glibc's default is a dynamic threshold (128 KiB at start,
+#: raised to the size of each mapped chunk freed, up to this ceiling: 4 MiB times ``sizeof(long)``,
+#: 32 MiB on 64-bit), and the first ``mallopt`` turns that adjustment off for the life of the
+#: process, with no call to turn it on again nor to read the value it had reached. The ceiling is
+#: where a process that frees tensors of MiBs has its dynamic threshold (torch's allocations are
+#: such), and the fixed value closest to it; 128 KiB would give every later allocation of more a
+#: fresh mapping, paged in anew each time.
+RESTORED_MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
+
+_lock = threading.Lock()
+#: The open :func:`limit_cpu_heap_growth` blocks (a token, the threshold), oldest first; the newest
+#: applies.
+_blocks: List[Tuple[object, int]] = []
+#: How many :func:`long_lived_allocations` blocks are open (a nested one changes nothing).
+_long_lived_depth = 0
+#: The threshold this module last set with ``mallopt``; ``None`` while it never has (glibc's
+#: dynamic threshold is in effect).
+_in_effect: Optional[int] = None
+
+
+@contextmanager
+def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> Iterator[bool]:
     """
-    Serve allocations of ``threshold`` bytes and more with their own memory mappings, returned to
-    the system when freed. FSDP on CPU allocates and frees whole-unit buffers (gathered
-    parameters, their gradients) every step; glibc's default raises its mmap threshold after the
-    first such free (up to 32 MiB), so later ones come from the heap, where they fragment and stay
-    resident. Each backend says which threshold its buffers need
-    (:attr:`~tango_fairscale.backends.base.Backend.cpu_mmap_threshold`):
+    While the block is open, allocations of ``threshold`` bytes and more are served with their own
+    memory mappings, returned to the system when freed; the engine opens it on CPU workers for its
+    life (:class:`~tango_fairscale.FairScaleTrainingEngine`, ended by its ``close``). FSDP on CPU
+    allocates and frees whole-unit buffers (gathered parameters, their gradients) every step;
+    glibc's default raises its mmap threshold after the first such free (up to 32 MiB), so later
+    ones come from the heap, where they fragment and stay resident. Each backend says which
+    threshold its buffers need (:attr:`~tango_fairscale.backends.base.Backend.cpu_mmap_threshold`):
 
     - FairScale's flat units, 16 MiB: measured on a 124 M-parameter GPT-2 with 2 workers (model
       built eagerly), a worker's peak RSS went from 2.81 to 2.38 GiB, at 4.29 instead of 3.52 s
@@ -34,22 +58,59 @@ def limit_cpu_heap_growth(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     without being paged in again; what outlives a step is allocated under
     :func:`long_lived_allocations`, so that it does not pin the heap.
 
+    ``mallopt`` is process-wide, so the blocks are too (a lock keeps their record): the newest open
+    block's threshold applies, and when a block ends, in any order, the threshold is set back to
+    the newest one still open. When the last one ends it is restored as far as glibc allows: to
+    the threshold that was set before the first began, and where that was glibc's own dynamic
+    threshold (which cannot be read nor turned on again), to
+    :data:`RESTORED_MMAP_THRESHOLD_BYTES`, that threshold's ceiling.
+
     It is what ``MALLOC_MMAP_THRESHOLD_=<bytes>`` does, so a value set there is left alone (and
-    :func:`long_lived_allocations` changes nothing). Linux/glibc only; returns whether the setting
-    was applied.
+    :func:`long_lived_allocations` changes nothing). Linux/glibc only; yields whether the setting
+    applies.
     """
-    global _applied_threshold
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    # Inside long_lived_allocations the threshold is recorded now and applied when its block ends.
-    if _long_lived_depth == 0 and not _set_mmap_threshold(threshold):
-        return False
-    _applied_threshold = threshold
-    return True
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ or not _has_mallopt():
+        yield False
+        return
+    token = object()
+    with _lock:
+        _blocks.append((token, threshold))
+        _apply_locked()
+    try:
+        yield True
+    finally:
+        with _lock:
+            # This block's entry, wherever it is now (an older block may have ended first).
+            _blocks[:] = [block for block in _blocks if block[0] is not token]
+            _apply_locked()
 
 
-#: The threshold :func:`limit_cpu_heap_growth` applied in this process, if it did.
-_applied_threshold: Optional[int] = None
+def _apply_locked() -> None:
+    """Set the threshold the open blocks ask for, if it is not the one in effect (``_lock`` held)."""
+    global _in_effect
+    wanted: Optional[int]
+    if _blocks:
+        wanted = _blocks[-1][1]
+        if _long_lived_depth and wanted > LONG_LIVED_MMAP_THRESHOLD_BYTES:
+            wanted = LONG_LIVED_MMAP_THRESHOLD_BYTES
+    else:
+        # Nothing open: glibc's threshold if this module never set one, else its restoring value.
+        wanted = None if _in_effect is None else RESTORED_MMAP_THRESHOLD_BYTES
+    if wanted is not None and wanted != _in_effect and _set_mmap_threshold(wanted):
+        _in_effect = wanted
+
+
+def current_mmap_threshold() -> Optional[int]:
+    """The threshold this module set and is in effect; ``None`` while glibc's own dynamic one is."""
+    with _lock:
+        return _in_effect
+
+
+def _has_mallopt() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallopt")
+    except OSError:  # not glibc
+        return False
 
 
 def _set_mmap_threshold(threshold: int) -> bool:
@@ -85,27 +146,19 @@ def long_lived_allocations() -> Iterator[None]:
     2 workers, 16 blocks) and 17 MiB (fairscale backend, 4 workers, 28 blocks) in single trials.
 
     ``mallopt`` is process-wide: an allocation another thread makes meanwhile is served the same
-    way, which only moves it out of the heap. Nothing changes where :func:`limit_cpu_heap_growth`
-    has not applied a threshold above 2 MiB (a user's ``MALLOC_MMAP_THRESHOLD_`` included).
+    way, which only moves it out of the heap. Nothing changes where no :func:`limit_cpu_heap_growth`
+    block with a threshold above 2 MiB is open (a user's ``MALLOC_MMAP_THRESHOLD_`` included).
     """
     global _long_lived_depth
-    threshold = _applied_threshold
-    if threshold is None or threshold <= LONG_LIVED_MMAP_THRESHOLD_BYTES:
-        yield
-        return
-    if _long_lived_depth == 0:
-        _set_mmap_threshold(LONG_LIVED_MMAP_THRESHOLD_BYTES)
-    _long_lived_depth += 1
+    with _lock:
+        _long_lived_depth += 1
+        _apply_locked()
     try:
         yield
     finally:
-        _long_lived_depth -= 1
-        if _long_lived_depth == 0 and _applied_threshold is not None:
-            _set_mmap_threshold(_applied_threshold)
-
-
-#: How many :func:`long_lived_allocations` blocks are open (a nested one changes nothing).
-_long_lived_depth = 0
+        with _lock:
+            _long_lived_depth -= 1
+            _apply_locked()
 
 
 #: glibc's tunable (2.35 and later) that has malloc advise transparent huge pages
