@@ -771,7 +771,7 @@ def make_plan(
     model, built_on = _build(model_config, init_on_meta)
     if init_on_meta:
         with parameters_on_meta():
-            check_initialisable(Model.from_params(Params(dict(model_config))))
+            check_initialisable(Model.from_params(Params(copy.deepcopy(model_config))))
 
     wrap_plan = _wrap_plan(model, wrapper)
     if wrap_plan is not None and wrap_plan.fsdp:
