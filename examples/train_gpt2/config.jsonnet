@@ -3,7 +3,7 @@
 // with activation checkpointing. Runs as is on 2 CPU workers; see README.md for GPUs.
 //
 //   cd examples/train_gpt2
-//   tango run config.jsonnet -w ../../workspace/train_gpt2                      # about 2.5 minutes on 2 CPU cores
+//   tango run config.jsonnet -w ../../workspace/train_gpt2                      # about 2 minutes on 2 CPU cores
 //   tango run config.jsonnet -w ../../workspace/train_gpt2 --ext-var size=tiny  # a smoke test, under 30 s
 //
 // `size` picks one of the presets below. tango.yml in this directory sets it to "default"
@@ -22,7 +22,7 @@ local presets = {
     batch_size: 8, lr: 0.003, train_steps: 40, validate_every: 10, log_every: 10,
   },
   // About 0.8M parameters: the validation loss falls from 2.7 after 100 steps to 1.86 nats
-  // per byte after 600 (5.55 is a uniform guess); about 2.5 minutes on 2 CPU cores.
+  // per byte after 600 (5.55 is a uniform guess); about 2 minutes on 2 CPU cores.
   default: {
     n_layer: 4, n_embd: 128, n_head: 4, block_size: 64,
     batch_size: 16, lr: 0.002, train_steps: 600, validate_every: 100, log_every: 50,
