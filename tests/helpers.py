@@ -49,6 +49,19 @@ def readme_command_lines(language: str, text: str, doc: str = "README.md") -> Li
     return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
 
 
+#: A tiny Llama (transformers' ``LlamaConfig`` fields) with its LM head tied to the token embedding.
+TINY_LLAMA: Dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
+
+
 def toy_model(num_blocks: int = 4, width: int = 32) -> Dict[str, Any]:
     return {"type": "toy::regressor", "in_features": 8, "width": width, "num_blocks": num_blocks}
 

@@ -26,22 +26,13 @@ from tango_fairscale.materialize import (
     parameters_on_meta,
 )
 from tests import harness
-from tests.helpers import train_config
+from tests.helpers import TINY_LLAMA, train_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-#: A tiny Llama with its LM head tied to the token embedding.
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
+#: A tiny Llama with its LM head tied to the token embedding, narrower than the helpers' one.
+LLAMA = {**TINY_LLAMA, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
 SEED = 13
 

@@ -14,21 +14,12 @@ import pytest
 import torch
 
 from tests import harness
-from tests.helpers import max_abs_difference, train_config
+from tests.helpers import TINY_LLAMA, max_abs_difference, train_config
 
 pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
 
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
+LLAMA = TINY_LLAMA
 LENGTH = 16
 STEPS = 4
 TOLERANCE = 1e-5

@@ -31,6 +31,7 @@ from tests.helpers import (
     README,
     REPO,
     TANGO,
+    TINY_LLAMA,
     Command,
     ConcurrentProcesses,
     free_port,
@@ -132,16 +133,6 @@ def test_include_package_in_tango_yml(tmp_path: Path) -> None:
 
 #: The README's fine-tuning model: LoRA adapters on a pretrained Llama, a unit per decoder layer.
 FINETUNE_SNIPPET = readme_block_with("jsonnet", "fairscale::with_lora")
-TINY_LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
 
 
 def test_finetune_snippet_builds_as_the_workers_build_it(tmp_path: Path) -> None:

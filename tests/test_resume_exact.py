@@ -22,21 +22,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from tango_fairscale.telemetry.flops import KERNEL_AND_COMPOSITE_OPS, FlopMeter
 from tango_fairscale.telemetry.tokens import count_batch
 from tests import harness
-from tests.helpers import max_abs_difference, train_config
+from tests.helpers import TINY_LLAMA, max_abs_difference, train_config
 
 transformers = pytest.importorskip("transformers")
 
-#: A tiny Llama with its LM head tied to the token embedding.
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
+#: A tiny Llama with its LM head tied to the token embedding, narrower than the helpers' one.
+LLAMA = {**TINY_LLAMA, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
 
 
 def gradients(model: torch.nn.Module, batch: Dict[str, torch.Tensor], meter: Any = None) -> Dict[str, Any]:
