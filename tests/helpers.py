@@ -62,6 +62,25 @@ TINY_LLAMA: Dict[str, Any] = {
 }
 
 
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer of ``vocab_size`` words ``w0``, ``w1``, ... (nothing to download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+
+
+def save_tiny_llama(directory: Path, config: Dict[str, Any], seed: int) -> Path:
+    """A Llama of ``config`` initialised from ``seed``, saved in ``directory`` as transformers saves it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(directory)
+    return directory
+
+
 def toy_model(num_blocks: int = 4, width: int = 32) -> Dict[str, Any]:
     return {"type": "toy::regressor", "in_features": 8, "width": width, "num_blocks": num_blocks}
 

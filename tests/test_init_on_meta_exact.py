@@ -26,7 +26,7 @@ from tango_fairscale.materialize import (
     parameters_on_meta,
 )
 from tests import harness
-from tests.helpers import TINY_LLAMA, train_config
+from tests.helpers import TINY_LLAMA, save_tiny_llama, train_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -138,10 +138,7 @@ def test_a_model_built_from_scratch_holds_no_parameter_values_before_it_is_mater
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with tied embeddings, saved as transformers saves it."""
-    torch.manual_seed(3)
-    directory = tmp_path_factory.mktemp("llama") / "tiny"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(directory)
-    return directory
+    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", LLAMA, seed=3)
 
 
 def test_from_pretrained_draws_no_random_number(pretrained: Path) -> None:

@@ -41,6 +41,7 @@ from tests.helpers import (
     run_tango,
     tango_env,
     train_config,
+    word_tokenizer,
 )
 
 pytest.importorskip("transformers")
@@ -557,12 +558,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tokenizer() -> Any:
     """A word-level tokenizer of the model's vocabulary (nothing to download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(GPT2["vocab_size"])}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+    return word_tokenizer(GPT2["vocab_size"])
 
 
 def fine_tuning(pretrained: Path, export_hf: str) -> Dict[str, Any]:

@@ -24,7 +24,15 @@ from tango.integrations.torch import Model
 from tango_fairscale.materialize import parameters_on_meta
 from tango_fairscale.pretrained import check_pretrained, from_pretrained
 from tests import harness
-from tests.helpers import free_port, max_abs_difference, one_line_error, run_tango, tango_env, train_config
+from tests.helpers import (
+    free_port,
+    max_abs_difference,
+    one_line_error,
+    run_tango,
+    tango_env,
+    train_config,
+    word_tokenizer,
+)
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
@@ -56,12 +64,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tokenizer() -> Any:
     """A word-level tokenizer of the model's vocabulary (nothing to download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(GPT2["vocab_size"])}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+    return word_tokenizer(GPT2["vocab_size"])
 
 
 def experiment(directory: Path, backend: str, lr: float, steps: int = STEPS) -> Dict[str, Any]:

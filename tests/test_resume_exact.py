@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tango_fairscale.telemetry.flops import KERNEL_AND_COMPOSITE_OPS, FlopMeter
 from tango_fairscale.telemetry.tokens import count_batch
 from tests import harness
-from tests.helpers import TINY_LLAMA, max_abs_difference, train_config
+from tests.helpers import TINY_LLAMA, max_abs_difference, save_tiny_llama, train_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,10 +113,7 @@ STEPS, CHECKPOINT_EVERY, KILL_AT = 8, 3, 5
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama, saved as transformers saves it."""
-    torch.manual_seed(3)
-    directory = tmp_path_factory.mktemp("llama") / "tiny"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(directory)
-    return directory
+    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", LLAMA, seed=3)
 
 
 def experiment(
