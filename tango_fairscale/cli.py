@@ -32,8 +32,15 @@ from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
 
 from . import checkpointing, consolidation, output_paths
+from .backends.base import ADAPTER_FIELD
 from .errors import CheckpointError
-from .hf_export import export_hf, model_source_tensors
+from .hf_export import (
+    export_hf,
+    export_merged_adapter,
+    export_peft_adapter,
+    model_class_of,
+    model_source_tensors,
+)
 from .metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
 from .plan import make_plan, parse_memory, render
 from .plotting import MAX_PANELS, metric_keys, panels_of, plot_metrics
@@ -66,11 +73,19 @@ def check_output(
 
 
 def consolidate_hf(
-    checkpoint_dir: Path, output: Path, hf_config: Optional[Path], *, force: bool = False
+    checkpoint_dir: Path,
+    output: Path,
+    hf_config: Optional[Path],
+    *,
+    force: bool = False,
+    merge: bool = False,
 ) -> None:
     """
     Write the model of ``checkpoint_dir`` as a directory ``from_pretrained`` loads, with the
-    config (and tokenizer files) of ``hf_config``: one tensor at a time, atomically.
+    config (and tokenizer files) of ``hf_config``: one tensor at a time, atomically. A checkpoint
+    of a peft model (its marker records the adapter's config) is written as the adapter directory
+    ``PeftModel.from_pretrained(base, output)`` loads, ``hf_config`` being the base model's
+    directory; with ``merge``, as the base model with the adapter merged into it.
     """
     checkpoint_dir, output = Path(checkpoint_dir), Path(output)
     if hf_config is None or not (Path(hf_config) / "config.json").is_file():
@@ -86,6 +101,14 @@ def consolidate_hf(
 
     config = AutoConfig.from_pretrained(str(hf_config))
     source = model_source_tensors(consolidation.model_source(checkpoint_dir))
+    adapter = (checkpointing.read_marker(checkpoint_dir) or {}).get(ADAPTER_FIELD)
+    if merge and adapter is None:
+        raise UsageError(f"--merge is for the checkpoint of a peft model; {checkpoint_dir} is not one")
+    if adapter is not None:
+        _consolidate_adapter(
+            source, output, config, adapter, Path(hf_config), merge, work_dir, checkpoint_dir
+        )
+        return
     try:
         export_hf(
             source,
@@ -98,6 +121,47 @@ def consolidate_hf(
     except OSError as error:
         raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
     print(f"Wrote {output} (from_pretrained loads it)")
+
+
+def _consolidate_adapter(
+    source: Any,
+    output: Path,
+    config: Any,
+    adapter: Dict[str, Any],
+    base_directory: Path,
+    merge: bool,
+    work_dir: Optional[Path],
+    checkpoint_dir: Path,
+) -> None:
+    """:func:`consolidate_hf` of a peft model's checkpoint: the adapter directory, or the merged model."""
+    import tempfile
+
+    import torch
+    from peft import PeftConfig, get_peft_model
+
+    # The adapter's names come from peft, asked with the model's skeleton (on meta: no memory).
+    with torch.device("meta"):
+        skeleton = get_peft_model(model_class_of(config)(config), PeftConfig.from_peft_type(**adapter))
+    try:
+        if not merge:
+            export_peft_adapter(
+                source,
+                output,
+                skeleton,
+                base_directory=base_directory,
+                work_dir=work_dir,
+                sources=[checkpoint_dir],
+            )
+            print(f"Wrote {output} (PeftModel.from_pretrained(base, {output}) loads it)")
+            return
+        output_paths.check_output(output, output_paths.HF_EXPORT, work_dir=work_dir, sources=[checkpoint_dir])
+        with tempfile.TemporaryDirectory(prefix=".adapter-", dir=Path(output).resolve().parent) as scratch:
+            adapter_dir = Path(scratch) / "adapter"
+            export_peft_adapter(source, adapter_dir, skeleton, base_directory=base_directory)
+            export_merged_adapter(adapter_dir, output, work_dir=work_dir, sources=[checkpoint_dir])
+    except OSError as error:
+        raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+    print(f"Wrote {output} (the base with the adapter merged; from_pretrained loads it)")
 
 
 def consolidate(
@@ -526,7 +590,14 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="with --format hf: the directory of the model's config.json (e.g. the pretrained model "
-        "it was fine-tuned from); its tokenizer files are copied too",
+        "it was fine-tuned from); its tokenizer files are copied too. For a peft (LoRA) model's "
+        "checkpoint OUTPUT is the adapter directory, and this is the base model's directory",
+    )
+    consolidate_parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format hf, for a peft (LoRA) model's checkpoint: write the base model with the "
+        "adapter merged into it (from_pretrained loads it) instead of the adapter directory",
     )
 
     plan_parser = commands.add_parser(
@@ -636,10 +707,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "consolidate" and args.format == "hf":
             if args.optimizer:
                 raise UsageError("--optimizer has no place in a --format hf directory: leave one of them out")
-            consolidate_hf(args.checkpoint_dir, args.output, args.hf_config, force=args.force)
+            consolidate_hf(
+                args.checkpoint_dir, args.output, args.hf_config, force=args.force, merge=args.merge
+            )
         elif args.command == "consolidate":
-            if args.hf_config is not None:
-                raise UsageError("--hf-config goes with --format hf")
+            if args.hf_config is not None or args.merge:
+                raise UsageError(
+                    f"{'--hf-config' if args.hf_config is not None else '--merge'} goes with --format hf"
+                )
             consolidate(args.checkpoint_dir, args.output, with_optimizer=args.optimizer, force=args.force)
         elif args.command == "plan":
             plan_command(

@@ -335,6 +335,18 @@ def peft_model_in(model: nn.Module) -> Optional[Any]:
     return None
 
 
+def adapter_config_of(model: nn.Module) -> Optional[Dict[str, Any]]:
+    """The fields of the ``adapter_config.json`` of the peft model inside ``model``, if it holds one."""
+    peft_model = peft_model_in(model)
+    if peft_model is None:
+        return None
+    fields = peft_model.peft_config["default"].to_dict()
+    # As peft writes it: sets (target_modules) as lists, enums by value.
+    return json.loads(
+        json.dumps(fields, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
+    )
+
+
 def _copy_tokenizer(tokenizer_from: Optional[Path], directory: Path) -> None:
     if tokenizer_from is not None:
         for name in TOKENIZER_FILES:

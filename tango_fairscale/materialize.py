@@ -203,6 +203,8 @@ class _Track:
         self.base: Optional[torch.Tensor] = None
         #: ... its pretrained tensor ...
         self.read: Optional[Callable[[], torch.Tensor]] = None
+        #: ... from this file and tensor name (when known), ...
+        self.origin: Optional[Tuple[str, str]] = None
         #: ... or another track's value after its first n ops (a ``clone`` or dtype cast of it).
         self.parent: Optional[Tuple[_Track, int]] = None
         self.log: List[_Op] = []
@@ -223,7 +225,7 @@ class _Track:
     def append(self, op: _Op) -> None:
         if op.full and not self.referenced:
             self.log = [op]
-            self.base = self.read = self.parent = None
+            self.base = self.read = self.parent = self.origin = None
         else:
             self.log.append(op)
 
@@ -807,24 +809,43 @@ def not_recorded() -> Iterator[None]:
         _state.quiet -= 1
 
 
-def mark_pretrained(param: nn.Parameter, read: Callable[[], torch.Tensor]) -> None:
+def mark_pretrained(
+    param: nn.Parameter, read: Callable[[], torch.Tensor], origin: Optional[Tuple[str, str]] = None
+) -> None:
     """
     Give a ``meta`` parameter its pretrained value, read by ``read()`` only when its unit is
     materialised (:func:`materialize_module`), in place of any initialiser: a worker reads one
     unit's tensors at a time from memory-mapped files, never the whole model. The tensor
     ``read()`` returns may become the parameter's data until the unit is sharded (see
     ``one_allocation``), never written through. In-place ops on the parameter after this (in a
-    recorded build) are replayed on the value read.
+    recorded build) are replayed on the value read. ``origin`` is the file and the tensor name
+    ``read`` reads (see :func:`pretrained_origin`).
     """
     if not _on_meta(param):
         raise ValueError("mark_pretrained takes meta parameters")
     track = _Track(param, _CPU, recorded=True)
     track.read = read
+    track.origin = origin
     recorder = getattr(_state, "recorder", None)
     if recorder is not None:
         recorder.mark(param, "track", track)
         recorder.parameters.append(weakref.ref(param))
     setattr(param, _TRACK, track)
+
+
+def pretrained_origin(param: nn.Parameter) -> Optional[Tuple[str, str]]:
+    """
+    The file and tensor name a ``meta`` parameter's value is, unchanged, when it has one: marked
+    by :func:`mark_pretrained` with an ``origin`` and not written since. Such a parameter, frozen,
+    keeps that value for the whole run, so checkpoints can name it instead of holding it
+    (:mod:`tango_fairscale.checkpointing.pretrained_base`). ``None`` for any other parameter.
+    """
+    if not _on_meta(param):
+        return None
+    track = _track_of(param)
+    if track is None or _kind(track) != "read":
+        return None
+    return track.origin
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

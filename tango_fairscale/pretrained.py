@@ -209,7 +209,7 @@ def mark_from_files(model: nn.Module, files: SafetensorsFiles) -> int:
         if name not in available:
             missing.append(name)
             continue
-        mark_pretrained(param, files.reader(name))
+        mark_pretrained(param, files.reader(name), origin=(str(files.file_of[name]), name))
         marked += 1
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

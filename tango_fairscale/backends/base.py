@@ -33,11 +33,15 @@ from tango.common import Lazy
 from tango.integrations.torch import Model, TrainConfig
 
 from .. import checkpointing, multihost
+from ..checkpointing import pretrained_base
 from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
 from ..launch import HostWorld
 from ..topology import Topology
+
+#: The marker's field holding the peft adapter's config, for a model holding a ``PeftModel``.
+ADAPTER_FIELD = "peft_adapter"
 
 
 class ModelSource(Protocol):
@@ -122,6 +126,28 @@ class Backend(ABC):
 
     def __init__(self, context: BackendContext) -> None:
         self.context = context
+        #: The model's frozen parameters that are pretrained tensors, unchanged (under
+        #: ``init_on_meta``): checkpoints name them instead of holding them. Set by ``note_model``.
+        self.base: Optional[pretrained_base.PretrainedBase] = None
+        #: The peft adapter's config (``adapter_config.json``'s fields) of a model holding a
+        #: ``PeftModel``: recorded in each checkpoint, so that ``consolidate`` writes the adapter.
+        self.adapter_config: Optional[Dict[str, Any]] = None
+
+    def note_model(self, model: nn.Module) -> None:
+        """What the checkpoints record of the model, noted by ``build`` before it wraps it."""
+        from ..hf_export import adapter_config_of
+
+        self.base = pretrained_base.frozen_base(model) if self.context.init_on_meta else None
+        self.adapter_config = adapter_config_of(model)
+
+    def model_fields(self) -> Dict[str, Any]:
+        """The marker's fields about the model (its pretrained base, its adapter); for a host's leader."""
+        fields: Dict[str, Any] = {}
+        if self.base is not None:
+            fields[pretrained_base.MARKER_FIELD] = self.base.marker_fields()
+        if self.adapter_config is not None:
+            fields[ADAPTER_FIELD] = self.adapter_config
+        return fields
 
     # --- its checkpoints, told by their marker ---------------------------------------------------
 

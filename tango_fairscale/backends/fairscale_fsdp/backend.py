@@ -19,6 +19,7 @@ from tango.common import Lazy, Tqdm
 from tango.integrations.torch import Model
 
 from ... import checkpointing, compat, multihost
+from ...checkpointing import pretrained_base
 from ...checkpointing.commit import Digests, commit
 from ...checkpointing.streaming import stream_save
 from ...config import FSDPConfig
@@ -35,6 +36,7 @@ from .resharding import (
     consolidate_model_state,
     consolidate_optimizer_state,
     module_aliases,
+    original_names,
     reshard_model_weights,
     reshard_optimizer_state,
     same_shapes,
@@ -73,6 +75,7 @@ class FairScaleBackend(Backend):
             with parameters_on_meta() if context.init_on_meta else nullcontext():
                 model = model.construct()
         require_parameters(model)
+        self.note_model(model)
         plan = recorded_plan(model) or WrapPlan.root_only()
         root_config = context.fsdp_config
         # FairScale expects offloaded parameters to start on the CPU.
@@ -140,12 +143,18 @@ class FairScaleBackend(Backend):
         fsdp: FSDP = model  # type: ignore[assignment]
         config = self.context.train_config
         rank = config.worker_id
+        metadata = fsdp.local_metadata_dict()
+        weights = fsdp.local_state_dict()
+        left_out = self._base_keys(weights, metadata)
+        fields: Dict[str, Any] = {"training_steps": step, "files": sorted([*SHARDED_STATES, *states])}
+        if self.context.topology.is_leader(rank):  # the processes that write markers
+            fields.update(self.model_fields())
 
         def write() -> Digests:
             files: Dict[str, Any] = {
                 "model": {
-                    "weights": fsdp.local_state_dict(),
-                    "metadata": fsdp.local_metadata_dict(),
+                    "weights": {key: value for key, value in weights.items() if key not in left_out},
+                    "metadata": metadata,
                     "optimizer_keys": self._optimizer_keys(model, optimizer),
                     "module_aliases": self.module_aliases,
                 },
@@ -164,9 +173,21 @@ class FairScaleBackend(Backend):
             self.context.topology,
             rank,
             write,
-            {"training_steps": step, "files": sorted([*SHARDED_STATES, *states])},
+            fields,
             complete_part=self.context.complete_part(self.files_of_worker),
         )
+
+    def _base_keys(self, weights: Mapping[str, Any], metadata: Dict[str, Any]) -> List[str]:
+        """The flat parameters (local state-dict keys) that hold only the pretrained frozen base."""
+        if self.base is None:
+            return []
+        names = self.base.names
+        flat = {_flat_key(unit, backing) for unit in metadata["param_metadata"] for backing in unit["params"]}
+        return [
+            key
+            for key in weights
+            if key in flat and all(name in names for name in original_names(key, metadata))
+        ]
 
     def write_file(self, checkpoint_dir: Path, name: str, state: Any, step: Optional[int]) -> Digests:
         """
@@ -220,11 +241,17 @@ class FairScaleBackend(Backend):
 
         fsdp: FSDP = model  # type: ignore[assignment]
         local_weights = fsdp.local_state_dict()
+        local_metadata = fsdp.local_metadata_dict()
+        # Flat parameters of the pretrained frozen base the checkpoint left out: the model holds
+        # them already, read from the same files (checked below).
+        kept: Dict[str, torch.Tensor] = {}
         # Everything is read and checked before anything is applied, and the workers agree on the
         # outcome: a worker that finds a bad file must not leave the others waiting in a collective.
         try:
             own_model = load("model")
-            check_same_parameter_shapes(own_model["metadata"], fsdp.local_metadata_dict())
+            check_same_parameter_shapes(own_model["metadata"], local_metadata)
+            kept = self._kept_base(own_model["weights"], local_weights, local_metadata, marker)
+            local_weights = {key: value for key, value in local_weights.items() if key not in kept}
             same_layout = saved_world_size == world_size and same_shapes(own_model["weights"], local_weights)
             if same_layout:
                 model_shards, optimizer_shards = [own_model], [load("optimizer")]
@@ -265,13 +292,13 @@ class FairScaleBackend(Backend):
             )
 
         if same_layout:
-            fsdp.load_local_state_dict(own_model["weights"])
+            fsdp.load_local_state_dict({**own_model["weights"], **kept})
             optimizer.load_state_dict(optimizer_shards[0])
         else:
             logger.info(
                 "Resharding checkpoint %s from %d to %d workers", checkpoint_dir, saved_world_size, world_size
             )
-            fsdp.load_local_state_dict(reshard_model_weights(model_shards, local_weights, worker))
+            fsdp.load_local_state_dict({**reshard_model_weights(model_shards, local_weights, worker), **kept})
             optimizer.load_state_dict(
                 reshard_optimizer_state(
                     model_shards,
@@ -283,6 +310,31 @@ class FairScaleBackend(Backend):
             )
         return LoadedCheckpoint(states, saved_random_state, resharded=saved_world_size != world_size)
 
+    def _kept_base(
+        self,
+        saved: Mapping[str, Any],
+        local: Mapping[str, torch.Tensor],
+        metadata: Dict[str, Any],
+        marker: Mapping[str, Any],
+    ) -> Dict[str, torch.Tensor]:
+        """
+        This model's flat parameters that the checkpoint left out, checked to be the pretrained
+        frozen base of both (same tensors, unchanged files); raises ``CheckpointError`` otherwise.
+        """
+        missing = [key for key in local if key not in saved]
+        if not missing:
+            return {}
+        base = pretrained_base.saved_base(marker)
+        names = [name for key in missing for name in original_names(key, metadata)]
+        pretrained_base.check_same_base(base, self.base, names)
+        assert base is not None  # check_same_base refused a checkpoint without one
+        # Each host's first worker hashes the files; the others check their sizes.
+        pretrained_base.check_files(
+            base,
+            hashes=self.context.verify_checkpoints and self.context.topology.is_leader(self.context.rank),
+        )
+        return {key: local[key] for key in missing}
+
     def write_weights(self, checkpoint_dir: Path, weights_path: Path) -> None:
         hosts, verify = self.context.hosts, self.context.verify_checkpoints
         if hosts is None:
@@ -291,6 +343,8 @@ class FairScaleBackend(Backend):
             # Tango calls this on each host's first worker only (is_local_main_process): they
             # exchange what they lack, so every host's weights.pt is the whole model.
             source = ConsolidatedModel(gather_model_shards(checkpoint_dir, hosts, hashes=verify))
+            marker = checkpointing.read_marker(checkpoint_dir) or {}
+            source = pretrained_base.with_base(source, marker, hashes=verify)
         stream_save(source.entries, source.produce, weights_path)
 
     @classmethod
@@ -303,7 +357,7 @@ class FairScaleBackend(Backend):
             )
             for worker in range(marker["world_size"])
         ]
-        return ConsolidatedModel(shards)
+        return pretrained_base.with_base(ConsolidatedModel(shards), marker, hashes=hashes)  # type: ignore[no-any-return]
 
     @classmethod
     def consolidate(
@@ -318,7 +372,11 @@ class FairScaleBackend(Backend):
                 loaded[kind].append(checkpointing.read_worker_state(checkpoint_dir, marker, worker, kind))
                 if progress is not None:
                     progress()
-        model_state: Dict[str, torch.Tensor] = consolidate_model_state(loaded["model"])
+        if pretrained_base.saved_base(marker) is None:
+            model_state: Dict[str, torch.Tensor] = consolidate_model_state(loaded["model"])
+        else:  # the frozen base left to the pretrained files
+            source = pretrained_base.with_base(ConsolidatedModel(loaded["model"]), marker)
+            model_state = pretrained_base.materialize(source)
         if not with_optimizer:
             return model_state
         return {
@@ -452,3 +510,8 @@ def gather_model_shards(
     if world.node_rank == 0:
         logger.info("Gathered the model files of %d workers on %d hosts", world.world_size, world.num_nodes)
     return shards
+
+
+def _flat_key(unit: Mapping[str, Any], backing_name: str) -> str:
+    """The local state-dict key of a unit's flat parameter, as its shard metadata names it."""
+    return f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name

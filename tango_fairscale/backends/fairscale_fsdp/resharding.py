@@ -151,7 +151,7 @@ def _unit_info(key: str, metadata: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]
     raise CheckpointError(f"No shard metadata for parameter {key!r}.")
 
 
-def _original_names(key: str, metadata: Dict[str, Any]) -> List[str]:
+def original_names(key: str, metadata: Dict[str, Any]) -> List[str]:
     """The plain model's names of the parameters flattened into ``key``."""
     fsdp_path, info = _unit_info(key, metadata)
     prefix = f"{fsdp_path}." if fsdp_path else ""
@@ -164,7 +164,7 @@ def _unflatten(key: str, full: torch.Tensor, metadata: Dict[str, Any]) -> List[T
     pieces = full.split(info["numels"])
     return [
         (name, piece.view(shape))
-        for name, piece, shape in zip(_original_names(key, metadata), pieces, info["shapes"])
+        for name, piece, shape in zip(original_names(key, metadata), pieces, info["shapes"])
     ]
 
 
@@ -189,12 +189,12 @@ def consolidate_optimizer_state(
                 for param_name, piece in _unflatten(key, full, metadata):
                     state.setdefault(param_name, {})[name] = piece
             else:
-                for param_name in _original_names(key, metadata):
+                for param_name in original_names(key, metadata):
                     state.setdefault(param_name, {})[name] = value
     groups = [
         {
             **group,
-            "params": [name for index in group["params"] for name in _original_names(keys[index], metadata)],
+            "params": [name for index in group["params"] for name in original_names(keys[index], metadata)],
         }
         for group in optimizer_shards[0]["param_groups"]
     ]
@@ -304,6 +304,10 @@ class ConsolidatedModel:
         for unit in metadata[0]["param_metadata"]:
             for backing_name, info in unit["params"].items():
                 key = f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name
+                if key not in self._weights[0]:
+                    # A frozen flat parameter of pretrained tensors the checkpoint names instead
+                    # of holding (checkpointing.pretrained_base supplies it from the files).
+                    continue
                 self._single[key] = bool(unit["no_broadcast_optim_state"])
                 dtype = self._weights[0][key].dtype
                 offset = 0
@@ -314,6 +318,8 @@ class ConsolidatedModel:
                     offset += numel
 
         def alias(destination: str, source: str) -> None:
+            if source not in entries:  # left to the pretrained files, as its source is
+                return
             root = entries[source].alias_of or source
             entries[destination] = TensorEntry(destination, entries[root].shape, entries[root].dtype, root)
 

@@ -73,6 +73,7 @@ class TorchBackend(Backend):
         else:
             refuse_sharded_model(model, self.name)
         require_parameters(model)
+        self.note_model(model)
         plan = recorded_plan(model) or WrapPlan.root_only()
         # Hybrid sharding: a 2-D mesh, shards within each host, replicas across hosts.
         topology = context.topology
@@ -114,6 +115,8 @@ class TorchBackend(Backend):
             step=step,
             topology=self.context.topology,
             complete_part=self.context.complete_part(self.files_of_worker),
+            base=self.base,
+            fields=self.model_fields() if self.context.topology.is_leader(self.context.rank) else {},
         )
 
     def load(
@@ -122,7 +125,13 @@ class TorchBackend(Backend):
         # DCP reads each worker's part of the saved shards, for any number of workers.
         try:
             states = checkpoint.load_sharded(
-                checkpoint_dir, model, optimizer, hashes=self.context.verify_checkpoints
+                checkpoint_dir,
+                model,
+                optimizer,
+                hashes=self.context.verify_checkpoints,
+                base=self.base,
+                # Each host's first worker hashes the pretrained files; the others check sizes.
+                hash_base=self.context.topology.is_leader(self.context.rank),
             )
         except checkpointing.CheckpointError as error:
             raise multihost.explain_part(error, checkpoint_dir) from None

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -72,6 +73,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from ... import checkpointing, compat
+from ...checkpointing import pretrained_base
 from ...checkpointing.commit import commit
 from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
@@ -302,12 +304,24 @@ def _write_host_metadata(dcp_dir: Path, metadata: Metadata) -> None:
     checkpointing.fsync_directory(dcp_dir)
 
 
-def _training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-    """The sharded model (and optimizer) state, keyed by the plain model's parameter names."""
+def _training_state(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], leave_out: AbstractSet[str] = frozenset()
+) -> Dict[str, Any]:
+    """
+    The sharded model (and optimizer) state, keyed by the plain model's parameter names, without
+    the parameters named in ``leave_out`` (a pretrained frozen base, see
+    :mod:`tango_fairscale.checkpointing.pretrained_base`).
+    """
     if optimizer is None:
-        return {"model": _worker_0_buffers(get_model_state_dict(model))}
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": _worker_0_buffers(model_state), "optim": optimizer_state}
+        model_state, optimizer_state = get_model_state_dict(model), None
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+    if leave_out:
+        model_state = {k: v for k, v in model_state.items() if plain_name(k) not in leave_out}
+    state = {"model": _worker_0_buffers(model_state)}
+    if optimizer_state is not None:
+        state["optim"] = optimizer_state
+    return state
 
 
 def _worker_0_buffers(model_state: Dict[str, Any]) -> Dict[str, Any]:
@@ -337,6 +351,8 @@ def save_sharded(
     step: Optional[int] = None,
     topology: Optional[Topology] = None,
     complete_part: Optional[Callable[[Path, Dict[str, Any]], None]] = None,
+    base: Optional[pretrained_base.PretrainedBase] = None,
+    fields: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """
     Save an FSDP2 model's and optimizer's shards with DCP, and this worker's ``extra_states``
@@ -348,7 +364,9 @@ def save_sharded(
     ``topology`` groups the workers by host for a launch across hosts: each host's
     ``checkpoint_dir`` is then its own (its own disk), and gets its workers' files and a DCP
     metadata of its own (see the module's docstring); ``complete_part`` adds the part's fields to
-    each host's marker. By default all workers share one directory.
+    each host's marker. By default all workers share one directory. The parameters of ``base``
+    (a pretrained frozen base) are left out; ``fields`` (on each host's leader, naming that base)
+    go into the marker.
 
     Removes the directory's marker and any earlier DCP files first (a resumed run may save the
     same step again). Returns, on every worker, the marker's fields: the format, ``world_size``,
@@ -371,7 +389,9 @@ def save_sharded(
         writer = _PerHostWriter(dcp_dir, nodes)
         try:
             dcp.save(
-                _training_state(model, optimizer), storage_writer=writer, planner=_PerHostSavePlanner(nodes)
+                _training_state(model, optimizer, base.names if base else frozenset()),
+                storage_writer=writer,
+                planner=_PerHostSavePlanner(nodes),
             )
         except CheckpointException as error:
             # DCP gathers every worker's failure; a full disk (or any OS error) becomes one line.
@@ -405,7 +425,12 @@ def save_sharded(
         topology,
         rank,
         write,
-        {**MARKER_FIELDS, "training_steps": step, "files": sorted(extra_states)},
+        {
+            **MARKER_FIELDS,
+            "training_steps": step,
+            "files": sorted(extra_states),
+            **(fields or {}),
+        },
         clear=[DCP_DIR],
         complete_part=complete_part,
     )
@@ -451,6 +476,8 @@ def load_sharded(
     optimizer: Optional[torch.optim.Optimizer],
     *,
     hashes: bool = True,
+    base: Optional[pretrained_base.PretrainedBase] = None,
+    hash_base: bool = True,
 ) -> Dict[str, Any]:
     """
     Load a complete checkpoint of :func:`save_sharded` into an FSDP2 ``model`` (and
@@ -474,21 +501,44 @@ def load_sharded(
         error = str(failure)
     _agree(error)
     allowed, readable = _verify_dcp_files(checkpoint_dir, marker, hashes)
-    state = _training_state(model, optimizer)
+    metadata = read_metadata(checkpoint_dir / DCP_DIR / METADATA_FILE)
+    saved = {
+        plain_name(key[len("model.") :]) for key in metadata.state_dict_metadata if key.startswith("model.")
+    }
+    # The pretrained frozen base the checkpoint left out: the model holds it already, read from
+    # the same files (checked here, on every worker alike, so that all raise or none does).
+    left_out = {name for name in (base.names if base else ()) if name not in saved}
+    if left_out:
+        error = None
+        try:
+            saved_base = pretrained_base.saved_base(marker)
+            pretrained_base.check_same_base(saved_base, base, sorted(left_out))
+            assert saved_base is not None
+            pretrained_base.check_files(saved_base, hashes=hashes and hash_base)
+        except CheckpointError as failure:
+            error = str(failure)
+        _agree(error)
+    state = _training_state(model, optimizer, left_out)
     # Checked on every worker alike (same metadata, same model), so all raise or none does.
-    _check_same_parameters(
-        read_metadata(checkpoint_dir / DCP_DIR / METADATA_FILE), state["model"], checkpoint_dir
-    )
+    _check_same_parameters(metadata, state["model"], checkpoint_dir)
     _dcp_call(
         dcp.load,
         state,
         storage_reader=_SafeFileSystemReader(checkpoint_dir / DCP_DIR, allowed, readable),
         planner=_SafeLoadPlanner(),
     )
+    # Without the left-out base, the state dict is not the whole model's: not strict.
+    options = StateDictOptions(strict=not left_out)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
     source = rank if rank < marker["world_size"] else 0
     return {
         name: checkpointing.read_worker_state(checkpoint_dir, marker, source, name, hashes=hashes)
@@ -573,7 +623,9 @@ def _consolidate(
         planner=_SafeEmptyStateDictLoadPlanner(keys=keys),
         no_dist=True,
     )
-    model = _plain_keys(loaded.get("model", {}), checkpoint_dir)
+    model = pretrained_base.add_base_tensors(
+        _plain_keys(loaded.get("model", {}), checkpoint_dir), marker, hashes=hashes
+    )
     if not with_optimizer:
         return model
     saved = loaded.get("optim", {})
@@ -637,16 +689,16 @@ class ConsolidatedDcpModel:
         return tensor
 
 
-def dcp_model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ConsolidatedDcpModel:
+def dcp_model_source(checkpoint_dir: Path, *, hashes: bool = True) -> Any:
     """:class:`ConsolidatedDcpModel` of a complete checkpoint of :func:`save_sharded`."""
     checkpoint_dir = Path(checkpoint_dir).resolve()
     marker = _require_torch_marker(checkpoint_dir)
-    return ConsolidatedDcpModel(checkpoint_dir, checkpoint_dir, marker, hashes=hashes)
+    return pretrained_base.with_base(  # type: ignore[no-any-return]
+        ConsolidatedDcpModel(checkpoint_dir, checkpoint_dir, marker, hashes=hashes), marker, hashes=hashes
+    )
 
 
-def dcp_part_model_source(
-    checkpoint_dir: Path, received_dir: Path, *, hashes: bool = True
-) -> ConsolidatedDcpModel:
+def dcp_part_model_source(checkpoint_dir: Path, received_dir: Path, *, hashes: bool = True) -> Any:
     """
     :class:`ConsolidatedDcpModel` of a host's part of a checkpoint across hosts whose other DCP
     data files were received into ``received_dir`` (see :func:`_link_part`): this host's files are
@@ -655,7 +707,11 @@ def dcp_part_model_source(
     """
     checkpoint_dir, received_dir = Path(checkpoint_dir).resolve(), Path(received_dir)
     marker, received = _link_part(checkpoint_dir, received_dir)
-    return ConsolidatedDcpModel(received_dir, checkpoint_dir, marker, hashes=hashes, hashed=received)
+    return pretrained_base.with_base(  # type: ignore[no-any-return]
+        ConsolidatedDcpModel(received_dir, checkpoint_dir, marker, hashes=hashes, hashed=received),
+        marker,
+        hashes=hashes,
+    )
 
 
 def _plain_keys(entries: Mapping[str, Any], checkpoint_dir: Path) -> Dict[str, Any]:

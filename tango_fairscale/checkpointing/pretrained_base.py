@@ -1,0 +1,238 @@
+"""
+Checkpoints of a model whose frozen base comes from pretrained files (LoRA, partial fine-tuning)
+hold what trains, and name the rest.
+
+Under ``init_on_meta`` each parameter read from a pretrained safetensors file and not written
+since is marked with its file and tensor name (:func:`~tango_fairscale.materialize.pretrained_origin`).
+Frozen, such a parameter keeps that value for the whole run: a checkpoint need not hold it, only
+say where it is. :func:`frozen_base` collects them when a backend builds the model; the backends
+leave them out of the model state they save (the fairscale backend a frozen flat parameter when
+every parameter in it is one of them, the torch backend each one), and the marker records the
+``pretrained_base``: each file's size and SHA-256 and each parameter's file and tensor name.
+
+Resuming, the model is built from the files again (they hold the base), :func:`check_files`
+refuses files that changed since the save (naming them), and only the saved parameters are
+loaded. Everything that reads a checkpoint whole (``weights.pt``, ``consolidate``, the Hugging
+Face export) reads the base from the files through :class:`WithPretrainedBase`, checked the same
+way. For a LoRA model of r=8 the checkpoint is the adapters and their optimizer state: a small
+fraction of a full fine-tune's (``docs/checkpoints.md`` has the measured bytes).
+"""
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError
+from .files import file_digest
+from .streaming import TensorEntry
+
+logger = logging.getLogger(__name__)
+
+#: The marker's field that describes the base (absent when the checkpoint holds every parameter).
+MARKER_FIELD = "pretrained_base"
+
+
+class PretrainedBase:
+    """The frozen parameters of a model that are, unchanged, tensors of pretrained files."""
+
+    def __init__(self, tensors: Mapping[str, Tuple[str, str]]) -> None:
+        #: Plain model parameter name (every name of a tied parameter) -> (file, tensor name).
+        self.tensors: Dict[str, Tuple[str, str]] = dict(sorted(tensors.items()))
+        self._digests: Optional[Dict[str, Dict[str, Any]]] = None
+
+    @property
+    def names(self) -> Set[str]:
+        return set(self.tensors)
+
+    def marker_fields(self) -> Dict[str, Any]:
+        """The marker's ``pretrained_base``: each file's digest, each parameter's file and tensor."""
+        if self._digests is None:
+            # Hashed once per run, by the processes that write markers.
+            self._digests = {path: file_digest(Path(path)) for path in sorted(self.files)}
+        return {"files": self._digests, "tensors": {k: list(v) for k, v in self.tensors.items()}}
+
+    @property
+    def files(self) -> Set[str]:
+        return {path for path, _ in self.tensors.values()}
+
+
+def frozen_base(model: nn.Module, clean: Any = None) -> Optional[PretrainedBase]:
+    """
+    The frozen parameters of ``model`` (built on ``meta``, not yet materialised) that are their
+    pretrained tensors unchanged, under every name they have; ``None`` when there are none.
+    ``clean`` maps a ``named_parameters`` name to the plain model's (identity by default).
+    """
+    from ..materialize import pretrained_origin
+
+    tensors: Dict[str, Tuple[str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            continue
+        origin = pretrained_origin(param)
+        if origin is not None:
+            tensors[clean(name) if clean is not None else name] = origin
+    return PretrainedBase(tensors) if tensors else None
+
+
+def saved_base(marker: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """A checkpoint marker's ``pretrained_base``, or ``None`` when the checkpoint holds every parameter."""
+    base = marker.get(MARKER_FIELD)
+    if base is None:
+        return None
+    if not (
+        isinstance(base, dict)
+        and isinstance(base.get("files"), dict)
+        and isinstance(base.get("tensors"), dict)
+        and all(isinstance(v, list) and len(v) == 2 for v in base["tensors"].values())
+    ):
+        raise CheckpointError(f"The checkpoint marker's {MARKER_FIELD!r} is malformed.")
+    return base
+
+
+def check_files(base: Mapping[str, Any], *, hashes: bool = True) -> None:
+    """
+    Refuse, naming the file, when a pretrained file the checkpoint leaves its base to is missing or
+    differs (size, or SHA-256 with ``hashes``) from the one the run was trained from.
+    """
+    for path, saved in base["files"].items():
+        file = Path(path)
+        if not file.is_file():
+            raise CheckpointError(
+                f"The checkpoint's frozen base is read from {file}, which is gone. Restore the "
+                "pretrained files the run was trained from (the checkpoint holds only what trains)."
+            )
+        size = file.stat().st_size
+        if size != saved["size"] or (hashes and file_digest(file)["sha256"] != saved["sha256"]):
+            raise CheckpointError(
+                f"The pretrained file {file} changed since the checkpoint was saved "
+                f"({'size' if size != saved['size'] else 'SHA-256'} differs): the checkpoint holds only "
+                "what trains and reads its frozen base from that file. Restore the files the run was "
+                "trained from."
+            )
+
+
+def check_same_base(
+    saved: Optional[Mapping[str, Any]], current: Optional[PretrainedBase], missing: Sequence[str]
+) -> None:
+    """
+    The parameters a checkpoint leaves out (``missing`` of the current model's) must be the frozen
+    base of this model too, from the same tensors, or the resumed model would not be the saved one.
+    """
+    if not missing:
+        return
+    saved_tensors = dict(saved["tensors"]) if saved else {}
+    current_tensors = current.tensors if current else {}
+    wrong = [
+        name
+        for name in missing
+        if name not in saved_tensors
+        or name not in current_tensors
+        or Path(saved_tensors[name][0]).name != Path(current_tensors[name][0]).name
+        or saved_tensors[name][1] != current_tensors[name][1]
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"The checkpoint holds no value for {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}, "
+            "and this model does not read them unchanged from the same pretrained files as the run that "
+            "saved it. Resume with the model configuration it was saved from."
+        )
+
+
+class WithPretrainedBase:
+    """
+    A checkpoint's model source (see :class:`~tango_fairscale.backends.base.ModelSource`) with its
+    frozen base read from the pretrained files: the parameters the checkpoint left out come from
+    the files named in its marker (checked first), one tensor at a time; tied names are one tensor.
+    """
+
+    def __init__(self, source: Any, base: Mapping[str, Any], *, hashes: bool = True) -> None:
+        check_files(base, hashes=hashes)
+        self._source = source
+        self._tensors: Dict[str, Tuple[str, str]] = {k: (v[0], v[1]) for k, v in base["tensors"].items()}
+        entries = list(source.entries)
+        present = {entry.name for entry in entries}
+        first: Dict[Tuple[str, str], str] = {}
+        for name, origin in self._tensors.items():
+            if name in present:
+                continue
+            if origin in first:
+                root = first[origin]
+                shape, dtype = self._shape_dtype(origin)
+                entries.append(TensorEntry(name, shape, dtype, root))
+                continue
+            first[origin] = name
+            shape, dtype = self._shape_dtype(origin)
+            entries.append(TensorEntry(name, shape, dtype))
+        self.entries = entries
+
+    @staticmethod
+    def _shape_dtype(origin: Tuple[str, str]) -> Tuple[Tuple[int, ...], torch.dtype]:
+        from safetensors import safe_open
+
+        with safe_open(origin[0], framework="pt") as handle:
+            sliced = handle.get_slice(origin[1])
+            shape = tuple(int(n) for n in sliced.get_shape())
+            dtype = _SAFETENSORS_DTYPES[sliced.get_dtype()]
+        return shape, dtype
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor:
+        origin = self._tensors.get(entry.name)
+        if origin is None:
+            return self._source.produce(entry)  # type: ignore[no-any-return]
+        from safetensors import safe_open
+
+        with safe_open(origin[0], framework="pt") as handle:
+            return handle.get_tensor(origin[1])
+
+
+#: safetensors' dtype names (``get_dtype()``) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def with_base(source: Any, marker: Mapping[str, Any], *, hashes: bool = True) -> Any:
+    """``source`` as it is, or with its frozen base from the files when the checkpoint left it out."""
+    base = saved_base(marker)
+    return source if base is None else WithPretrainedBase(source, base, hashes=hashes)
+
+
+def add_base_tensors(
+    state: Dict[str, Any], marker: Mapping[str, Any], *, hashes: bool = True
+) -> Dict[str, Any]:
+    """A consolidated model state dict with the frozen base its checkpoint left out, from the files."""
+    base = saved_base(marker)
+    if base is None:
+        return state
+    check_files(base, hashes=hashes)
+    from safetensors import safe_open
+
+    read: Dict[Tuple[str, str], torch.Tensor] = {}
+    for name, (path, tensor) in base["tensors"].items():
+        if name in state:
+            continue
+        if (path, tensor) not in read:
+            with safe_open(path, framework="pt") as handle:
+                read[(path, tensor)] = handle.get_tensor(tensor)
+        state[name] = read[(path, tensor)]
+    return state
+
+
+def materialize(source: Any) -> Dict[str, torch.Tensor]:
+    """Every tensor of a model source in one state dict (tied names share one tensor)."""
+    state: Dict[str, torch.Tensor] = {}
+    for entry in source.entries:
+        state[entry.name] = state[entry.alias_of] if entry.alias_of else source.produce(entry)
+    return state

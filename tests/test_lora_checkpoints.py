@@ -1,0 +1,174 @@
+"""
+LoRA checkpoints hold what trains: under ``init_on_meta`` the frozen base read from the pretrained
+files is named in the checkpoint's marker (files' SHA-256, each parameter's tensor), not saved.
+A run with ``lora_dropout: 0.1`` killed (SIGKILL) after a checkpoint and run again ends as the
+uninterrupted run, on both backends; a pretrained file changed in between is refused on resume,
+naming it; ``weights.pt`` and ``consolidate`` read the base from the files.
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import pytest
+import torch
+
+from tango_fairscale import cli, consolidation
+from tango_fairscale.checkpointing import pretrained_base
+from tests import harness
+from tests.helpers import TINY_LLAMA, max_abs_difference, save_tiny_llama, train_config
+
+pytest.importorskip("peft")
+from safetensors.torch import load_file  # noqa: E402
+
+LLAMA = TINY_LLAMA
+#: Checkpoints after steps 3 and 6; the killed run dies before step index 5 and resumes from step 3.
+STEPS, CHECKPOINT_EVERY, KILL_AT = 8, 3, 5
+
+
+def experiment(directory: Path, backend: str, kill_at: Optional[int] = None) -> Dict[str, Any]:
+    model = {
+        "type": "fairscale::with_wrapped_modules",
+        "model": {
+            "type": "fairscale::with_lora",
+            "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(directory)},
+            "r": 4,
+            "lora_dropout": 0.1,
+            "target_modules": ["q_proj", "v_proj"],
+        },
+        "wrap_module_classes": ["LlamaDecoderLayer"],
+        "fsdp_config": {},
+    }
+    config = train_config(
+        engine="fairscale",
+        model=model,
+        train_steps=STEPS,
+        checkpoint_every=CHECKPOINT_EVERY,
+        callbacks=[] if kill_at is None else [{"type": "test::kill_once", "step": kill_at}],
+        engine_extra={"backend": backend, "init_on_meta": True},
+    )
+    config["steps"]["train"]["training_engine"]["optimizer"] = {"type": "torch::AdamW", "lr": 0.01}
+    config["steps"]["data"] = {"type": "test::lm_data", "vocab_size": LLAMA["vocab_size"], "size": 64}
+    return config
+
+
+def _file_tensor(files: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """The pretrained file's tensor of a PeftModel state-dict key (the LM head is tied to the embedding)."""
+    name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return files[name] if name in files else files["model.embed_tokens.weight"]
+
+
+def _checkpoint_bytes(checkpoint: Path) -> int:
+    return sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file())
+
+
+def _stored_model_elements(checkpoint: Path, marker: Dict[str, Any]) -> int:
+    """How many model tensor elements the checkpoint's files hold (either backend's format)."""
+    from tango_fairscale.backends.torch_fsdp2.checkpoint import read_metadata
+    from tango_fairscale.checkpointing import read_worker_state
+
+    if (checkpoint / "dcp").is_dir():
+        metadata = read_metadata(checkpoint / "dcp" / ".metadata").state_dict_metadata
+        return sum(math.prod(item.size) for key, item in metadata.items() if key.startswith("model."))
+    return sum(
+        tensor.numel()
+        for worker in range(marker["world_size"])
+        for tensor in read_worker_state(checkpoint, marker, worker, "model")["weights"].values()
+    )
+
+
+# The torch backend's run is the same proof on DCP's files: in the extended suite, for make test's time.
+@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
+def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_the_files(
+    backend: str, tmp_path: Path
+) -> None:
+    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
+    tampered = save_tiny_llama(tmp_path / "llama-tampered", LLAMA, seed=3)
+    plain = harness.Train(experiment(pretrained, backend), tmp_path / "plain")
+    killed = harness.Train(experiment(pretrained, backend, KILL_AT), tmp_path / "killed")
+    doomed = harness.Train(experiment(tampered, backend, KILL_AT), tmp_path / "doomed")
+    # A killed job ends its workers: each starts the next run of jobs, which reruns it first.
+    first = harness.run([plain, killed], out=tmp_path / "first")
+    first[0].check(exited=False)
+    second = harness.run([killed, doomed], out=tmp_path / "second")
+    second[0].check(exited=False)
+    # A byte of a frozen base tensor's value changed between the kill and the rerun.
+    file = tampered / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10
+    file.write_bytes(bytes(data))
+    (third,) = harness.run([doomed], out=tmp_path / "third")
+    assert (
+        "Recovering from previous run at " + str(killed.work_dir / "checkpoint_state_step3") in second[0].logs
+    )
+
+    # The resumed run ends as the uninterrupted one, dropout and all; the base is the pretrained files'.
+    uninterrupted = torch.load(plain.work_dir / "weights.pt", weights_only=True)
+    resumed = torch.load(killed.work_dir / "weights.pt", weights_only=True)
+    assert uninterrupted.keys() == resumed.keys()
+    assert max_abs_difference(resumed, uninterrupted) == 0.0
+    files = load_file(pretrained / "model.safetensors")
+    base = {k: v for k, v in resumed.items() if ".lora_" not in k}
+    for key, value in base.items():
+        assert torch.equal(value, _file_tensor(files, key)), key
+    assert all(resumed[k].abs().max() > 0 for k in resumed if ".lora_B." in k)  # the adapters trained
+
+    # The checkpoint names the base instead of holding it: adapters and their optimizer state only.
+    checkpoint = plain.work_dir / f"checkpoint_state_step{STEPS}"
+    marker = json.loads((checkpoint / "COMPLETE.json").read_text())
+    saved = pretrained_base.saved_base(marker)
+    assert saved is not None
+    assert set(saved["files"]) == {str(pretrained / "model.safetensors")}
+    assert set(saved["tensors"]) == set(base)
+    adapters = sum(v.numel() for k, v in resumed.items() if ".lora_" in k)
+    stored = _stored_model_elements(checkpoint, marker)
+    print(
+        f"[{backend}] checkpoint {_checkpoint_bytes(checkpoint)} bytes; "
+        f"model elements stored {stored}, adapters {adapters}"
+    )
+    # Only the adapters (a flat shard may add a few padding zeros), none of the base.
+    assert adapters <= stored <= adapters + 16
+
+    # consolidate reads the base from the files, checked: weights.pt's state dict (the last checkpoint).
+    consolidated = consolidation.consolidate(checkpoint)
+    assert consolidated.keys() == uninterrupted.keys()
+    assert max_abs_difference(consolidated, uninterrupted) == 0.0
+    source = consolidation.model_source(checkpoint)
+    streamed = pretrained_base.materialize(source)
+    for key in base:
+        assert torch.equal(consolidated[key], _file_tensor(files, key))
+        assert torch.equal(streamed[key], consolidated[key])
+
+    # consolidate --format hf of the LoRA checkpoint: the adapter directory peft loads onto the
+    # base, the trained state exactly; with --merge, the merged model, the same logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    for output, extra in ((adapter_dir, []), (merged_dir, ["--merge"])):
+        arguments = [
+            "consolidate",
+            str(checkpoint),
+            str(output),
+            "--format",
+            "hf",
+            "--hf-config",
+            str(pretrained),
+        ]
+        assert cli.main(arguments + extra) == 0
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), adapter_dir).eval()
+    assert max_abs_difference(dict(loaded.state_dict()), uninterrupted) == 0.0
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    tokens = torch.randint(LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (loaded(input_ids=tokens).logits - merged(input_ids=tokens).logits).abs().max().item()
+    print(f"[{backend}] |adapter - merged| logits {difference:.2e}")
+    assert difference <= 1e-5
+
+    # The rerun over changed files is refused, naming the file, before anything trains.
+    error = next(e for e in third.errors if e)
+    assert f"The pretrained file {file} changed since the checkpoint was saved (SHA-256 differs)" in error
+    assert not (doomed.work_dir / "weights.pt").exists()
+    with pytest.raises(Exception, match="changed since the checkpoint was saved"):
+        consolidation.consolidate(doomed.work_dir / "checkpoint_state_step3")
