@@ -41,11 +41,11 @@ from .hf_export import (
     export_merged_adapter,
     export_peft_adapter,
     hf_model_in,
-    peft_model_in,
     source_directory,
     weights_file,
 )
 from .launch import HostWorld
+from .lora import peft_model_in
 from .options import EngineOptions, amp_dtype
 from .output_paths import export_hf_path
 from .registry import register_training_engine

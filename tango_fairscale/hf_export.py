@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -321,30 +320,6 @@ def _peft_prefix(names: Sequence[str]) -> str:
         if index >= 0:
             return name[:index]
     raise CheckpointError("The trained weights hold no peft model (no name has 'base_model.model.').")
-
-
-def peft_model_in(model: nn.Module) -> Optional[Any]:
-    """The outermost peft ``PeftModel`` inside ``model`` (wrapped or not), if there is one."""
-    if "peft" not in sys.modules:  # a model holding one has imported it
-        return None
-    from peft import PeftModel
-
-    for module in model.modules():
-        if isinstance(module, PeftModel):
-            return module
-    return None
-
-
-def adapter_config_of(model: nn.Module) -> Optional[Dict[str, Any]]:
-    """The fields of the ``adapter_config.json`` of the peft model inside ``model``, if it holds one."""
-    peft_model = peft_model_in(model)
-    if peft_model is None:
-        return None
-    fields = peft_model.peft_config["default"].to_dict()
-    # As peft writes it: sets (target_modules) as lists, enums by value.
-    return json.loads(
-        json.dumps(fields, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
-    )
 
 
 def _copy_tokenizer(tokenizer_from: Optional[Path], directory: Path) -> None:

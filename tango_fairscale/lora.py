@@ -25,6 +25,8 @@ only when a model uses it.
 """
 
 import dataclasses
+import json
+import sys
 from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
@@ -148,3 +150,27 @@ def with_lora(
     except ValueError as error:
         # peft's own words for a target_modules that matches nothing, one line.
         raise ConfigurationError(f"{LORA_TYPE}: {str(error).splitlines()[0]}") from None
+
+
+def peft_model_in(model: nn.Module) -> Optional[Any]:
+    """The outermost peft ``PeftModel`` inside ``model`` (wrapped or not), if there is one."""
+    if "peft" not in sys.modules:  # a model holding one has imported it
+        return None
+    from peft import PeftModel
+
+    for module in model.modules():
+        if isinstance(module, PeftModel):
+            return module
+    return None
+
+
+def adapter_config_of(model: nn.Module) -> Optional[Dict[str, Any]]:
+    """The fields of the ``adapter_config.json`` of the peft model inside ``model``, if it holds one."""
+    peft_model = peft_model_in(model)
+    if peft_model is None:
+        return None
+    fields = peft_model.peft_config["default"].to_dict()
+    # As peft writes it: sets (target_modules) as lists, enums by value.
+    return json.loads(
+        json.dumps(fields, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
+    )

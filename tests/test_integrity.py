@@ -106,6 +106,61 @@ def test_checkpoint_of_another_optimizer_is_refused(saved_run: Path, tmp_path: P
     print(result.errors[0])
 
 
+@pytest.fixture(scope="module")
+def saved_torch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``saved_run`` on the torch backend (DCP files)."""
+    work_dir = tmp_path_factory.mktemp("saved_torch") / "work"
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        train_steps=4,
+        checkpoint_every=4,
+        callbacks=[],
+        engine_extra={"backend": "torch"},
+    )
+    harness.train(config, work_dir)
+    return work_dir
+
+
+def test_torch_backend_checkpoint_of_another_size_or_optimizer_is_refused_saying_so(
+    saved_torch_run: Path, tmp_path: Path
+) -> None:
+    # DCP's size mismatch and missing key read as "swapped or replaced after the save" before.
+    source = saved_torch_run / "checkpoint_state_step4"
+    common: Dict[str, Any] = {
+        "backend": "torch",
+        "resume_from_checkpoint": str(source),
+        "collective_timeout": 60,
+    }
+    jobs = [
+        harness.Train(
+            train_config(
+                engine="fairscale",
+                wrap="nested",
+                train_steps=8,
+                checkpoint_every=8,
+                callbacks=[],
+                model=toy_model(width=width),
+                engine_extra={**common, **extra},
+            ),
+            tmp_path / name,
+        )
+        for name, width, extra in (
+            ("width", 16, {}),
+            ("optimizer", 32, {"optimizer": {"type": "torch::SGD", "lr": 0.01}}),
+        )
+    ]
+    width, optimizer = harness.run(jobs, out=tmp_path / "harness", timeout=180)
+    for error in width.errors:
+        assert f"The checkpoint {source} holds parameters of other shapes than this model's" in error, error  # type: ignore[operator]
+        assert "input.weight: saved [32, 8], this model [16, 8]" in error and "swapped" not in error, error  # type: ignore[operator]
+    for error in optimizer.errors:
+        assert f"{source} holds the state of another optimizer: 1 parameter group(s) with options" in error, (
+            error
+        )  # type: ignore[operator]
+        assert "where this run's SGD has 1 with" in error and "swapped" not in error, error  # type: ignore[operator]
+
+
 def forge_digest(checkpoint_dir: Path, name: str) -> None:
     """Rewrite the marker's digest of ``name`` to match the file, as a careless copy tool could not."""
     marker = checkpointing.read_marker(checkpoint_dir)

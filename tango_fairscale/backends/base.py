@@ -38,6 +38,7 @@ from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
 from ..launch import HostWorld
+from ..lora import adapter_config_of
 from ..topology import Topology
 
 #: The marker's field holding the peft adapter's config, for a model holding a ``PeftModel``.
@@ -135,8 +136,6 @@ class Backend(ABC):
 
     def note_model(self, model: nn.Module) -> None:
         """What the checkpoints record of the model, noted by ``build`` before it wraps it."""
-        from ..hf_export import adapter_config_of
-
         self.base = pretrained_base.frozen_base(model) if self.context.init_on_meta else None
         self.adapter_config = adapter_config_of(model)
 

@@ -21,6 +21,7 @@ from tango.integrations.torch import Model
 from ... import checkpointing, compat, multihost
 from ...checkpointing import pretrained_base
 from ...checkpointing.commit import Digests, commit
+from ...checkpointing.compatible import check_same_optimizer
 from ...checkpointing.streaming import stream_save
 from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
@@ -393,15 +394,7 @@ def _check_same_optimizer(
     saved: Dict[str, Any], optimizer: torch.optim.Optimizer, checkpoint_dir: Path
 ) -> None:
     """A checkpoint of another optimizer (type or options) would fail deep in PyTorch with a KeyError."""
-    saved_groups, groups = saved.get("param_groups", []), optimizer.param_groups
-    saved_options = sorted(set(saved_groups[0]) - {"params"}) if saved_groups else []
-    options = sorted(set(groups[0]) - {"params"}) if groups else []
-    if len(saved_groups) != len(groups) or saved_options != options:
-        raise checkpointing.CheckpointError(
-            f"{checkpoint_dir} holds the state of another optimizer: {len(saved_groups)} parameter "
-            f"group(s) with options {saved_options}, where this run's {type(optimizer).__name__} "
-            f"has {len(groups)} with {options}. Resume with the optimizer it was saved with."
-        )
+    check_same_optimizer([list(group) for group in saved.get("param_groups", [])], optimizer, checkpoint_dir)
 
 
 def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> None:

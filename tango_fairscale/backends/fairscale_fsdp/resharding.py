@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 import torch
 
 from ... import checkpointing
+from ...checkpointing.compatible import check_same_shapes
 from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
 
@@ -270,18 +271,7 @@ def check_same_parameter_shapes(
     """
     saved_shapes, local_shapes = parameter_shapes(saved), parameter_shapes(local)
     _check_same_parameters(saved_shapes, local_shapes)
-    different = [
-        (name, saved_shapes[name], local_shapes[name])
-        for name in local_shapes
-        if saved_shapes[name] != local_shapes[name]
-    ]
-    if different:
-        listed = ", ".join(f"{name}: saved {list(a)}, this model {list(b)}" for name, a, b in different[:5])
-        raise CheckpointError(
-            f"The {source} holds parameters of other shapes than this model's ({len(different)} differ: "
-            f"{listed}). It was saved from a model of another size; resume it with the same model "
-            "configuration."
-        )
+    check_same_shapes(saved_shapes, local_shapes, source)
 
 
 class ConsolidatedModel:

@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor
 from ... import checkpointing, compat
 from ...checkpointing import pretrained_base
 from ...checkpointing.commit import commit
+from ...checkpointing.compatible import check_same_optimizer, check_same_shapes
 from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
 from ...topology import Topology
@@ -470,6 +471,37 @@ def _check_same_parameters(metadata: Metadata, model_state: Mapping[str, Any], c
         )
 
 
+def _check_same_shapes_and_optimizer(
+    metadata: Metadata,
+    model_state: Mapping[str, Any],
+    optimizer: Optional[torch.optim.Optimizer],
+    checkpoint_dir: Path,
+) -> None:
+    """
+    A checkpoint of a model of another size, or of another optimizer, refused as the fairscale
+    backend refuses it: DCP failed on them with a size mismatch or a missing key, which read as
+    files swapped after the save.
+    """
+    saved_shapes = {
+        key[len("model.") :]: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    local_shapes = {
+        key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)
+    }
+    check_same_shapes(saved_shapes, local_shapes, f"checkpoint {checkpoint_dir}")
+    if optimizer is None:
+        return
+    # DCP flattens the optimizer's param_groups into "optim.param_groups.<index>.<option>".
+    groups: Dict[int, List[str]] = {}
+    for key in metadata.state_dict_metadata:
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit():
+            groups.setdefault(int(parts[2]), []).append(parts[3])
+    check_same_optimizer([groups[index] for index in sorted(groups)], optimizer, checkpoint_dir)
+
+
 def load_sharded(
     checkpoint_dir: Path,
     model: nn.Module,
@@ -521,6 +553,7 @@ def load_sharded(
     state = _training_state(model, optimizer, left_out)
     # Checked on every worker alike (same metadata, same model), so all raise or none does.
     _check_same_parameters(metadata, state["model"], checkpoint_dir)
+    _check_same_shapes_and_optimizer(metadata, state["model"], optimizer, checkpoint_dir)
     _dcp_call(
         dcp.load,
         state,
