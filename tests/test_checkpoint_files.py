@@ -23,12 +23,18 @@ BUNDLED_MODEL_FILE = {"weights": {"flat_param_0": torch.zeros(4)}, "metadata": {
     [
         (lambda d: None, "is not a tango-fairscale checkpoint"),
         (lambda d: torch.save(OWN_MODEL_FILE, d / "worker0_model.pt"), "is an incomplete checkpoint"),
+        # The torch backend's: its DCP files and per-worker states, no worker*_model.pt.
+        (lambda d: torch.save({}, d / "worker0_trainer.pt"), "is an incomplete checkpoint"),
+        (
+            lambda d: (d / "dcp").mkdir() or (d / "dcp" / "__0_0.distcp").write_bytes(b""),
+            "is an incomplete checkpoint",
+        ),
         (
             lambda d: torch.save(BUNDLED_MODEL_FILE, d / "worker0_model.pt"),
             "bundled tango.integrations.fairscale",
         ),
     ],
-    ids=["empty", "interrupted", "bundled-integration"],
+    ids=["empty", "interrupted", "interrupted-torch", "interrupted-torch-dcp-only", "bundled-integration"],
 )
 def test_consolidate_refuses_foreign_or_incomplete_dirs(make: Any, fragment: str, tmp_path: Path) -> None:
     make(tmp_path)

@@ -386,6 +386,9 @@ def require_complete(checkpoint_dir: Path) -> Dict[str, Any]:
                     "Run the step in a new workspace (or move its work directory aside) to train from "
                     "the start; the weights.pt of that run, if it finished, loads into the plain model."
                 )
+        if any(checkpoint_dir.glob("worker*_*.pt")) or any(checkpoint_dir.glob("*/*.distcp")):
+            # Either backend's per-worker files, or the torch backend's DCP data files (a save
+            # killed before the per-worker files).
             raise CheckpointError(
                 f"{checkpoint_dir} is an incomplete checkpoint: it has no {MARKER}, so its save "
                 "was interrupted. Use an earlier complete checkpoint."
