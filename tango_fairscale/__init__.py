@@ -22,7 +22,7 @@ Use it with ``tango run config.jsonnet -i tango_fairscale``, or list ``tango_fai
 under ``include_package`` in ``tango.yml``.
 """
 
-from . import checkpointing, compat, train_step
+from . import checkpointing, compat, launch, train_step
 from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
@@ -46,6 +46,9 @@ compat.install(train_step.run_step, train_step.run_worker)
 # integration import on the transformers we install (H1) and routes transformers' from_pretrained
 # under init_on_meta to the same unit-by-unit reading as fairscale::from_pretrained (H2).
 compat.install_transformers_patches(building_on_meta, load_on_meta)
+# One host of a launch across hosts, in `tango run`: present to the other hosts from now to this
+# process's exit, so that a run that ends before the training step is seen there at once.
+launch.start_in_tango_run()
 
 __all__ = [
     "CheckpointError",

@@ -39,11 +39,13 @@ class Refused(CliRunError):
 #: How a worker's traceback, quoted by ``torch.multiprocessing``, ends for a :class:`CheckpointError`.
 _QUOTED_CHECKPOINT_ERROR = f"{CheckpointError.__module__}.{CheckpointError.__qualname__}: "
 #: The qualified names, as a quoted traceback's last line gives them, of the other errors a worker
-#: raises as one line: configuration mistakes found in the workers, and collectives that timed out.
+#: raises as one line: configuration mistakes found in the workers, collectives that timed out or
+#: that the workers disagree on.
 _QUOTED_ONE_LINE_ERRORS = (
     "tango.common.exceptions.ConfigurationError",
     f"{WrapConfigurationError.__module__}.{WrapConfigurationError.__qualname__}",
     "tango_fairscale.cpu.collectives.CollectiveTimeoutError",
+    "tango_fairscale.backends.torch_fsdp2.collectives.CollectiveMismatchError",
 )
 
 

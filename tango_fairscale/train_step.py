@@ -196,7 +196,12 @@ def _train_across_hosts(
         os.environ, launching.RENDEZVOUS_TIMEOUT_VARIABLE, launching.DEFAULT_RENDEZVOUS_TIMEOUT
     )
     with launching.host_rendezvous(
-        launch, step_id=step.unique_id, work_dir=step.work_dir, device_count=len(devices), timeout=timeout
+        launch,
+        step_id=step.unique_id,
+        work_dir=step.work_dir,
+        device_count=len(devices),
+        timeout=timeout,
+        step_name=step.name,
     ) as session:
         world = session.world
         interface = launching.socket_interface_environment(

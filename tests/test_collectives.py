@@ -265,3 +265,66 @@ def _check_ring_timeout(rank: int, port: int, done: str) -> None:
 def test_a_ring_whose_peer_never_joins_ends_within_the_timeout(tmp_path: Path) -> None:
     # It waited forever: gloo applies the group's timeout to collectives, not to send/recv waits.
     harness.spawn(_check_ring_timeout, args=(free_port(), str(tmp_path / "done")), nprocs=2)
+
+
+def _skips_a_block_on_worker_1(backend: str, collective_timeout: int) -> Any:
+    """The toy regressor, each block a unit, whose forward skips its second block on worker 1 only."""
+    from tests.helpers import train_config
+
+    config = train_config(
+        engine="fairscale",
+        wrap="nested",
+        model={"type": "test::skips_a_block_on_worker_1"},
+        callbacks=[],
+        engine_extra={"collective_timeout": collective_timeout, "backend": backend},
+    )
+    config["steps"]["train"]["model"]["modules_to_wrap"] = ["inner\\.blocks\\.[0-9]+"]
+    return config
+
+
+def test_torch_backend_workers_that_run_different_collectives_are_told_so(tmp_path: Path) -> None:
+    # Worker 1's ring received a chunk of another size and gloo aborted it from its I/O thread:
+    # `process 1 terminated with signal SIGABRT`, 6 s after the start, nothing else said. Each
+    # worker now tells the next what it is about to run, and both end at once, naming both.
+    import time
+
+    started = time.monotonic()
+    (result,) = harness.run(
+        [harness.Train(_skips_a_block_on_worker_1("torch", 60), tmp_path / "work")],
+        out=tmp_path / "h",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    errors = [error for error in result.errors if error is not None]
+    print(f"ended in {elapsed:.1f} s: {errors}")
+    assert len(errors) == 2 and elapsed < 60, (elapsed, result.describe())
+    expected = {
+        0: "worker 0 was to run collective #3, the all-gather of 'inner.blocks.1' (",
+        1: "worker 1 was to run collective #3, the all-gather of 'inner.blocks.2' (",
+    }
+    for worker, error in enumerate(result.errors):
+        assert error is not None and "CollectiveMismatchError" in error, error
+        assert expected[worker] in error and f"where worker {1 - worker} ran collective #3" in error, error
+        assert "the workers ran different collectives" in error, error
+
+
+@pytest.mark.extended
+def test_torch_backend_workers_that_run_different_collectives_end_tango_run_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # Through `tango run`: the one line, not `process 1 terminated with signal SIGABRT`.
+    import time
+
+    from tests.helpers import run_tango
+
+    config = _skips_a_block_on_worker_1("torch", 60)
+    config["steps"]["train"]["train_steps"] = 2
+    started = time.monotonic()
+    result = run_tango(config, tmp_path / "ws", cwd=tmp_path / "cwd", check=False, timeout=240)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if "CollectiveMismatchError: worker" in line]
+    print(f"exit code {result.returncode} after {elapsed:.1f} s: {lines}")
+    assert result.returncode == 1 and elapsed < 60, output[-4000:]
+    assert len(lines) == 1 and "the workers ran different collectives" in lines[0], output[-4000:]
+    assert "SIGABRT" not in output and "Traceback" not in output, output[-4000:]

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import torch
@@ -304,6 +304,7 @@ def test_two_hosts_meet_through_the_agent_store(tmp_path: Path) -> None:
     """Both sides of host_rendezvous, as threads: host 0 serves, host 1 finds it through the agent's store."""
     import threading
 
+    from tango_fairscale import launch as launching
     from tango_fairscale.launch import Launch, host_rendezvous
 
     agent = _serve_store()
@@ -321,10 +322,13 @@ def test_two_hosts_meet_through_the_agent_store(tmp_path: Path) -> None:
             errors.append(error)
 
     threads = [threading.Thread(target=host, args=(node,)) for node in (1, 0)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        launching.close_presences()  # what each host's tango does at its exit
     assert not errors, errors
     assert worlds[0].attempt == worlds[1].attempt
     assert (worlds[0].store_address, worlds[0].store_port) == (worlds[1].store_address, worlds[1].store_port)
@@ -341,7 +345,7 @@ def test_a_restarted_host_skips_the_attempt_it_already_joined() -> None:
     import threading
 
     from tango_fairscale import launch as launching
-    from tango_fairscale.launch import rendezvous
+    from tango_fairscale.launch import presence as rendezvous
 
     agent = _serve_store()
     prefix = "tango_fairscale/step"
@@ -372,7 +376,7 @@ def test_a_published_store_that_is_gone_is_skipped(monkeypatch: pytest.MonkeyPat
     import threading
 
     from tango_fairscale import launch as launching
-    from tango_fairscale.launch import rendezvous
+    from tango_fairscale.launch import presence as rendezvous
 
     agent = _serve_store()
     prefix = "tango_fairscale/step"
@@ -402,6 +406,115 @@ def test_a_published_store_that_is_gone_is_skipped(monkeypatch: pytest.MonkeyPat
     publisher.join(10)
     assert probed_dead.is_set()
     assert store.port == live.port
+
+
+def _rendezvous_in_a_thread(launch: Any, work_dir: Path) -> Tuple[Any, List[Tuple[float, BaseException]]]:
+    """Host ``launch.node_rank`` at step "train"'s rendezvous, in a thread; what it raised, and when."""
+    import threading
+
+    from tango_fairscale.launch import host_rendezvous
+
+    raised: List[Tuple[float, BaseException]] = []
+
+    def host() -> None:
+        try:
+            with host_rendezvous(
+                launch, step_id="s", work_dir=work_dir, device_count=2, timeout=120, step_name="train"
+            ):
+                pass
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            raised.append((time.monotonic(), error))
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_host_whose_run_ended_before_the_step_is_named_at_the_rendezvous(
+    tmp_path: Path, failing: int
+) -> None:
+    """
+    One host's run ends (its data step failed) while the other waits at the training step's
+    rendezvous: the waiting one raises at once, naming it (it waited for the 30-minute timeout).
+    """
+    from tango_fairscale import launch as launching
+    from tango_fairscale.launch import HostFailedError, Launch
+
+    agent = _serve_store()
+    launches = [Launch("torchrun", node, 2, LOCAL_ADDRESS, agent.port, agent_store=True) for node in (0, 1)]
+    waiting = 1 - failing
+    try:
+        # Not in a `tango run`: nothing starts at the package's import.
+        assert launching.start_in_tango_run() is None
+        ending = launching.launch_presence(launches[failing], timeout=60)
+        thread, raised = _rendezvous_in_a_thread(launches[waiting], tmp_path / "ws")
+        assert _wait_until(lambda: ending._connected.is_set(), 30) and ending._error is None
+        time.sleep(1.5)  # the other host is waiting now
+        ended_at = time.monotonic()
+        ending.close('failed: step "data" failed there: ValueError: no data')
+        thread.join(30)
+    finally:
+        launching.close_presences()
+    assert raised, "the waiting host did not end"
+    ((when, error),) = raised
+    print(f"host {waiting} raised {when - ended_at:.2f} s after host {failing}'s run ended: {error}")
+    assert isinstance(error, HostFailedError) and when - ended_at < 5
+    assert str(error) == (
+        f'Step "train" cannot start on host {waiting}: host {failing} ({socket.gethostname()}, 127.0.0.1; '
+        f'node rank {failing}) ended its tango run before reaching it, step "data" failed there: '
+        "ValueError: no data. Fix that host's error, then run the same command on every host again."
+    )
+
+
+def test_a_host_that_stops_beating_before_the_step_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tango_fairscale import launch as launching
+    from tango_fairscale.launch import HostLostError, Launch, presence
+
+    monkeypatch.setattr(presence, "lost_after", lambda host_timeout: 1.5)
+    agent = _serve_store()
+    launches = [Launch("torchrun", node, 2, LOCAL_ADDRESS, agent.port, agent_store=True) for node in (0, 1)]
+    try:
+        silent = launching.launch_presence(launches[1], timeout=60)
+        thread, raised = _rendezvous_in_a_thread(launches[0], tmp_path / "ws")
+        assert _wait_until(silent._connected.is_set, 30)
+        time.sleep(1.5)  # host 1 has beaten
+        silent._stop.set()  # its tango is frozen or killed: no more heartbeats, no exit reported
+        stopped_at = time.monotonic()
+        thread.join(30)
+    finally:
+        launching.close_presences()
+    ((when, error),) = raised
+    print(f"host 0 raised {when - stopped_at:.2f} s after host 1 stopped beating: {error}")
+    assert isinstance(error, HostLostError) and when - stopped_at < 6
+    assert str(error).startswith(
+        f'Step "train" cannot start on host 0: it lost host 1 ({socket.gethostname()}, 127.0.0.1; '
+        "node rank 1): its tango process sent no heartbeat for "
+    )
+
+
+def test_the_outcome_of_a_run_names_the_step_that_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tango import Step
+    from tango.common import logging as tango_logging
+    from tango.common.exceptions import CliRunError
+
+    from tango_fairscale.launch.presence import run_outcome
+
+    class Failing(Step):
+        def run(self) -> None:  # type: ignore[override]
+            raise ValueError("no data on node 1")
+
+    try:
+        Failing(step_name="data").run()
+    except ValueError as error:
+        failed = error
+    monkeypatch.setattr(tango_logging, "_EXCEPTIONS_LOGGED", [])
+    assert run_outcome() == "ended"
+    # Tango's own "the run finished with errors" comes after the step's error, empty.
+    monkeypatch.setattr(tango_logging, "_EXCEPTIONS_LOGGED", [failed, CliRunError()])
+    assert run_outcome() == 'failed: step "data" failed there: ValueError: no data on node 1'
 
 
 def test_monitor_names_a_silent_host_and_not_one_that_ended() -> None:
@@ -564,6 +677,11 @@ def test_a_workers_configuration_error_or_timeout_and_a_main_process_refusal_are
         )
     )
     assert isinstance(error, CliRunError) and str(error) == f"CollectiveTimeoutError: {timeout}"
+    # The torch backend's workers that disagree on a collective (they were aborted by gloo).
+    mismatch = "worker 1 was to run collective #3, the all-gather of 'b.2' where worker 0 ran ..."
+    quoted_mismatch = f"tango_fairscale.backends.torch_fsdp2.collectives.CollectiveMismatchError: {mismatch}"
+    error = worker_checkpoint_error(ProcessRaisedException(quoted(quoted_mismatch), 1, 1))
+    assert isinstance(error, CliRunError) and str(error) == f"CollectiveMismatchError: {mismatch}"
     bad = "tango.common.exceptions.ConfigurationError: FSDPConfig.bucket_cap_mb: must be >= 0"
     error = worker_checkpoint_error(ProcessRaisedException(quoted(bad), 1, 1))
     assert (

@@ -35,6 +35,7 @@ from tango_fairscale.options import EngineOptions
 from tango_fairscale.teardown import close_process_groups
 from tests import harness
 from tests.helpers import (
+    INCLUDES,
     descendants,
     load_weights,
     max_abs_difference,
@@ -319,6 +320,8 @@ class Hosts:
     runs: int = 0
     #: A host's own experiment, where it differs from the others'.
     per_host: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    #: Modules ``tango run`` imports beside the tests' usual ones (``-i``).
+    includes: List[str] = field(default_factory=list)
 
     def workspace(self, node: int) -> Path:
         return self.root / f"ws{node}"
@@ -328,7 +331,9 @@ class Hosts:
 
     def command(self, node: int) -> List[str]:
         experiment = self.per_host.get(node, self.experiment)
-        tango = tango_command(experiment, self.workspace(node), self.root / f"cwd{node}")
+        tango = tango_command(
+            experiment, self.workspace(node), self.root / f"cwd{node}", includes=[*INCLUDES, *self.includes]
+        )
         master = self.network.addresses[0]
         if self.launcher == "slurm":
             return tango
@@ -512,7 +517,11 @@ def test_lost_host_ends_the_others_and_a_rerun_resumes(
     assert seconds < 60
     output = hosts.output(0)
     named = f"host 1 ({socket.gethostname()}, {network.addresses[1]}; node rank 1, global ranks 2-3)"
-    assert "HostLostError" in output and named in output, output[-4000:]
+    # HostLostError is a CliRunError: tango prints its message alone, one line.
+    lines = [line for line in output.splitlines() if "because it lost" in line]
+    assert len(lines) == 1 and f"Training stopped on host 0 because it lost {named}" in lines[0], output[
+        -4000:
+    ]
     assert not (train_work_dir(hosts.workspace(0)) / "weights.pt").exists(), "the run ended before the kill"
 
     started = time.monotonic()
@@ -552,6 +561,84 @@ def test_torchrun_restarts_a_lost_host(
         assert difference <= TOLERANCE
         final = train_work_dir(hosts.workspace(node)) / f"checkpoint_state_step{TRAIN_STEPS}"
         assert checkpointing.is_complete(final)  # the other host's files hard-linked in
+
+
+#: A data step that fails on one host only, after a delay of that host's (its module is put on
+#: the hosts' PYTHONPATH by the test; run by ``tango run`` with ``-i``).
+FAILING_DATA = """
+import os
+import time
+
+from tango import Step
+
+from examples.toy.components import RegressionData
+
+
+@Step.register("test::data_failing_on_one_host")
+class DataFailingOnOneHost(RegressionData):
+    def run(self, fail_on: int = 1, delays: tuple = (0.0, 0.0)):  # type: ignore[override]
+        node = int(os.environ.get("SLURM_NODEID") or os.environ["GROUP_RANK"])
+        time.sleep(delays[node])
+        if node == fail_on:
+            raise ValueError(f"no data on node {node}")
+        return super().run(in_features=8, train_size=256, validation_size=64)
+"""
+
+
+@pytest.mark.parametrize(
+    "failing", [1, pytest.param(0, marks=pytest.mark.extended)], ids=["host1_fails", "host0_fails"]
+)
+def test_a_host_whose_earlier_step_fails_ends_the_others_at_once(
+    network: Network, tmp_path: Path, failing: int
+) -> None:
+    # Host 1's data step failed and it exited 1; host 0 waited at "Starting step train" for the
+    # 30-minute rendezvous, printing nothing. Each host's tango is now present to the others from
+    # its start, and tells them how its run ended. The failing host fails late (8 s), so that the
+    # other one is already waiting at the training step's rendezvous. Over loopback under srun's
+    # environment (host 0 serves at MASTER_PORT), in the namespaces under torchrun (host 0 publishes
+    # its store through the agent's).
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "failing_data.py").write_text(FAILING_DATA)
+    experiment = config(callbacks=[RECORD_LOSSES])
+    delays = [0.0, 0.0]
+    delays[failing] = 8.0
+    experiment["steps"]["data"] = {
+        "type": "test::data_failing_on_one_host",
+        "fail_on": failing,
+        "delays": delays,
+    }
+    python_path = os.pathsep.join([str(tmp_path / "extra"), tango_env()["PYTHONPATH"]])
+    launcher = "slurm" if network.name == "loopback" else "static"
+    hosts = Hosts(network, tmp_path, launcher, experiment, env={"PYTHONPATH": python_path})
+    hosts.includes = ["failing_data"]
+    hosts.start()
+    waiting = 1 - failing
+    deadline = time.monotonic() + 240
+    while hosts.processes[failing].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    failed_at = time.monotonic()
+    codes = hosts.wait(timeout=max(1.0, deadline - failed_at))
+    seconds = time.monotonic() - failed_at
+    print(
+        f"[{network.name}] host {waiting} ended {seconds:.1f} s after host {failing}'s tango exited; "
+        f"exit codes {codes}"
+    )
+    assert codes == [1, 1], hosts.logs()
+    assert seconds < 60, hosts.logs()
+    output = hosts.output(waiting)
+    named = (
+        f'Step "train" cannot start on host {waiting}: host {failing} ({socket.gethostname()}, '
+        f"{network.addresses[failing]}; "
+        f'node rank {failing}) ended its tango run before reaching it, step "data" failed there: '
+        f"ValueError: no data on node {failing}. Fix that host's error, then run the same command on "
+        "every host again."
+    )
+    lines = [line for line in output.splitlines() if "cannot start on host" in line]
+    print(f"[{network.name}] host {waiting}: {lines}")
+    assert len(lines) == 1 and named in lines[0], hosts.logs()
+    if launcher == "slurm":  # torchrun adds its own traceback of the child that failed
+        assert "Traceback" not in output, output[-4000:]
+    assert 'Starting step "train"' in output and 'Starting step "train"' not in hosts.output(failing)
 
 
 @pytest.mark.extended
@@ -735,7 +822,7 @@ def test_torch_backend_across_hosts_resumes_from_each_hosts_part(
     hosts.processes[1].wait(timeout=30)
     codes = hosts.wait(timeout=120)
     assert codes[0] != 0
-    assert "HostLostError" in hosts.output(0), hosts.output(0)[-4000:]
+    assert "Training stopped on host 0 because it lost host 1" in hosts.output(0), hosts.output(0)[-4000:]
     name = "hybrid" if hybrid else "full"
     # Each host's part: its workers' DCP files and extra states, and a DCP metadata of its own.
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):

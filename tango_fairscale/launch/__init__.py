@@ -14,13 +14,20 @@ of a worker is ``node_rank x device_count + local_rank``. What this package deci
 - :func:`detect_launch` reads the launcher's environment (pure; tested with dicts). Without a
   launcher, or with a launch of one host, it returns ``None`` and nothing changes.
 - :func:`host_rendezvous` runs in every host's ``tango`` process before its workers start. Host
-  0's serves a fresh rendezvous store for this attempt, on a port of its own (torchrun's agent
-  already listens on ``MASTER_PORT``) that it publishes through the agent's store under a
-  generation number; under SLURM it serves at ``MASTER_ADDR:MASTER_PORT``. A fresh store per
-  attempt means no key of an earlier attempt (``torchrun --max-restarts``) can be read by a new
-  one. The hosts register there, check that they agree (same step, same ``device_count``, each
-  its own work directory), and learn which other hosts' work directories they can read (a
-  shared filesystem): the :class:`HostWorld` every worker of the host then gets.
+  0's serves a fresh store for the step, on a free port, and publishes it in the launch store
+  (:mod:`.presence`), which host 0's ``tango`` serves for the whole run: on a port of its own
+  under torchrun (whose agent already listens on ``MASTER_PORT``), published through the agent's
+  store under a generation number, and at ``MASTER_ADDR:MASTER_PORT`` under SLURM. Fresh stores
+  per process and per step mean no key of an earlier attempt (``torchrun --max-restarts``) or
+  step can be read by a new one. The hosts register there, check that they agree (same step,
+  same ``device_count``, each its own work directory), and learn which other hosts' work
+  directories they can read (a shared filesystem): the :class:`HostWorld` every worker of the
+  host then gets.
+- :class:`LaunchPresence` (:mod:`.presence`): each host's ``tango run`` process, from the
+  package's import to its exit, present in a store host 0 serves for the whole run, which
+  each training step's rendezvous goes through: a host whose run ended before the step (an
+  earlier step failed there) or that disappeared is named at once, not after the rendezvous
+  timeout.
 - :class:`HostMonitor`: heartbeats between the hosts' ``tango`` processes through that store,
   so that a host that disappears is named, and the workers of the others are stopped within
   seconds even when no collective notices (a host that loses power sends no FIN).
@@ -30,7 +37,8 @@ of a worker is ``node_rank x device_count + local_rank``. What this package deci
 - :func:`stop_workers_on_signals`: SIGINT or SIGTERM to a ``tango`` process stops its workers.
 
 By concern: :mod:`.store` (one host's store), :mod:`.launchers` (torchrun and SLURM),
-:mod:`.network` (the interface gloo uses), :mod:`.world` (the hosts of one attempt, a worker's
+:mod:`.network` (the interface gloo uses), :mod:`.presence` (each host's run, from start to
+exit), :mod:`.world` (the hosts of one attempt, a worker's
 ``TrainConfig``), :mod:`.rendezvous` and :mod:`.failures` (the hosts meet, and name the host that
 failed), :mod:`.monitor` (heartbeats), :mod:`.signals` (stopping the workers).
 """
@@ -58,6 +66,7 @@ from .network import (
     local_address_towards,
     socket_interface_environment,
 )
+from .presence import LaunchPresence, close_presences, launch_presence, start_in_tango_run
 from .rendezvous import HostSession, check_hosts, host_rendezvous
 from .signals import die_with_parent, environment, stop_workers_on_signals, terminate_workers
 from .store import AGENT_STORE_VARIABLE, LOCAL_ADDRESS, free_port, rendezvous_store
@@ -85,6 +94,7 @@ __all__ = [
     "HostWorld",
     "LOCAL_ADDRESS",
     "Launch",
+    "LaunchPresence",
     "MULTIHOST_VARIABLE",
     "RENDEZVOUS_TIMEOUT_VARIABLE",
     "SHARED_CHECKPOINTS_VARIABLE",
@@ -92,6 +102,7 @@ __all__ = [
     "SLURM_PORT_SPAN",
     "WORLD_VARIABLE",
     "check_hosts",
+    "close_presences",
     "detect_launch",
     "die_with_parent",
     "environment",
@@ -100,10 +111,12 @@ __all__ = [
     "host_rendezvous",
     "interface_addresses",
     "interface_with_address",
+    "launch_presence",
     "local_address_towards",
     "rendezvous_store",
     "seconds_from_environment",
     "socket_interface_environment",
+    "start_in_tango_run",
     "stop_workers_on_signals",
     "terminate_workers",
     "worker_environment",

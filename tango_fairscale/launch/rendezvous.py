@@ -23,73 +23,18 @@ from .launchers import (
     DEFAULT_HOST_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HOST_TIMEOUT_VARIABLE,
-    RENDEZVOUS_TIMEOUT_VARIABLE,
     SHARED_CHECKPOINTS_VARIABLE,
     Launch,
 )
 from .monitor import HostMonitor
-from .network import local_address_towards
-from .store import _get, _reachable, _store
+from .presence import launch_presence
+from .store import _store
 from .world import HostInfo, HostWorld, seconds_from_environment
 
 logger = logging.getLogger(__name__)
 
 
 _TOKEN_DIRECTORY = ".tango_fairscale_hosts"
-
-
-def _serve(launch: Launch, address: str, timeout: float) -> dist.TCPStore:
-    # Under torchrun, the agent's own store listens on MASTER_PORT: take a free port and publish it.
-    port = 0 if launch.agent_store else launch.master_port
-    try:
-        return _store(address, port, timeout, server=True)
-    except (RuntimeError, OSError) as error:
-        raise ConfigurationError(
-            f"Host 0 cannot serve the rendezvous store on port {port} ({error}). Set MASTER_PORT to a free "
-            "port, the same on every host."
-        ) from None
-
-
-def _claim(store: dist.Store, node_rank: int) -> bool:
-    """Register as ``node_rank`` in this attempt's store; ``False`` when it was claimed already."""
-    return int(store.add(f"join/{node_rank}", 1)) == 1
-
-
-def _join(launch: Launch, prefix: str, timeout: float) -> dist.TCPStore:
-    """A non-zero host: connect to the store host 0 serves for the current attempt; claim the node rank."""
-    deadline = time.monotonic() + timeout
-    if not launch.agent_store:
-        while time.monotonic() < deadline:
-            if _reachable(launch.master_addr, launch.master_port):
-                store = _store(launch.master_addr, launch.master_port, timeout)
-                if not _claim(store, launch.node_rank):
-                    raise ConfigurationError(
-                        f"Two tango processes claim node rank {launch.node_rank} (SLURM_NODEID): run one "
-                        "per host (srun --ntasks-per-node=1)."
-                    )
-                return store
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"Host 0's rendezvous store at {launch.master_addr}:{launch.master_port} did not answer within "
-            f"{timeout:.0f} s ({RENDEZVOUS_TIMEOUT_VARIABLE}). Is tango running on host 0, is the port open?"
-        )
-    agent = _store(launch.master_addr, launch.master_port, timeout)
-    skipped = 0
-    while time.monotonic() < deadline:
-        generation_text, address, port_text = _get(agent, f"{prefix}/endpoint", deadline).split()
-        generation, port = int(generation_text), int(port_text)
-        if generation > skipped and _reachable(address, port):
-            store = _store(address, port, timeout)
-            if _claim(store, launch.node_rank):
-                return store
-            # This node rank joined that attempt already: we are its restart (torchrun restarted
-            # this host's tango), and host 0 will publish a new attempt once its own restarts.
-            skipped = generation
-        # Not published yet, or the published store belongs to an attempt that has ended.
-        time.sleep(0.5)
-    raise TimeoutError(
-        f"No rendezvous store of host 0 answered within {timeout:.0f} s ({RENDEZVOUS_TIMEOUT_VARIABLE})."
-    )
 
 
 def _write_token(work_dir: Path, node_rank: int, token: str) -> None:
@@ -260,41 +205,58 @@ def _first_failure(states: Mapping[int, str], own_order: int) -> Optional[Tuple[
 
 @contextmanager
 def host_rendezvous(
-    launch: Launch, *, step_id: str, work_dir: Path, device_count: int, timeout: float
+    launch: Launch,
+    *,
+    step_id: str,
+    work_dir: Path,
+    device_count: int,
+    timeout: float,
+    step_name: Optional[str] = None,
 ) -> Iterator[HostSession]:
     """
     Meet the other hosts' ``tango`` processes for this step (see the module docstring), and yield
-    this host's :class:`HostSession`. Host 0 serves the attempt's store until every host is done.
+    this host's :class:`HostSession`. Host 0 serves the step's store until every host is done.
+
+    The hosts find the step's store through the launch store (:mod:`.presence`), under the
+    number of the training step in this process; while they wait for each other, a host whose
+    run ended (an earlier step failed there) or that was lost ends the wait with an error naming it.
     """
-    address = local_address_towards(launch.master_addr, launch.master_port)
-    # Not the step's id: hosts whose configs differ (and so their step ids) must still meet, to be
-    # told so, rather than each wait for a store the other never publishes.
-    prefix = "tango_fairscale/hosts"
+    step = f'"{step_name}"' if step_name else step_id
+    presence = launch_presence(launch, timeout)
+    deadline = time.monotonic() + timeout
+    launch_store = presence.client(deadline, step)
+    # The step's number, not its id: hosts whose configs differ (and so their step ids) must still
+    # meet, to be told so, rather than each wait for a store the other never publishes.
+    endpoint_key = f"step/{presence.next_step()}/endpoint"
+    address = presence.address
     server: Optional[dist.TCPStore] = None
     if launch.node_rank == 0:
-        server = _serve(launch, address, timeout)
+        # A store of its own for each step: no key of another step's (its process group's) is read.
+        server = _store(address, 0, timeout, server=True)
         server.set("attempt", uuid.uuid4().hex)
-        _claim(server, 0)
-        if launch.agent_store:
-            agent = _store(launch.master_addr, launch.master_port, timeout)
-            generation = int(agent.add(f"{prefix}/generation", 1))
-            agent.set(f"{prefix}/endpoint", f"{generation} {address} {server.port}")
+        launch_store.set(endpoint_key, f"{address} {server.port}")
         store, store_address, store_port = server, address, int(server.port)
         logger.info("Serving the rendezvous of %d hosts at %s:%d", launch.num_nodes, address, store_port)
     else:
-        store = _join(launch, prefix, timeout)
-        store_address, store_port = store.host, int(store.port)
-    deadline = time.monotonic() + timeout
-    attempt = _get(store, "attempt", deadline)
+        published = presence.wait_for(
+            launch_store, endpoint_key, deadline, step, lambda: f"Host 0 did not reach step {step}"
+        )
+        store_address, port_text = published.split()
+        store_port = int(port_text)
+        store = _store(store_address, store_port, timeout)
+    attempt = presence.wait_for(store, "attempt", deadline, step, lambda: "The step's store gave no attempt")
     token = uuid.uuid4().hex
     _write_token(work_dir, launch.node_rank, token)
     mine = HostInfo(
         socket.gethostname(), address, str(Path(work_dir).resolve()), device_count, step_id, token
     )
     store.set(f"info/{launch.node_rank}", json.dumps(dataclasses.asdict(mine)))
-    hosts = tuple(
-        HostInfo(**json.loads(_get(store, f"info/{node}", deadline))) for node in range(launch.num_nodes)
-    )
+
+    def info(node: int) -> HostInfo:
+        late = f"Host {node} did not reach step {step}"
+        return HostInfo(**json.loads(presence.wait_for(store, f"info/{node}", deadline, step, lambda: late)))
+
+    hosts = tuple(info(node) for node in range(launch.num_nodes))
     check_hosts(hosts, launch.node_rank)
     shared = os.environ.get(SHARED_CHECKPOINTS_VARIABLE, "1") != "0"
     world = HostWorld(

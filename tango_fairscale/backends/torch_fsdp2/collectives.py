@@ -9,13 +9,19 @@ on CPU allocate scratch copies of the whole buffer and move more bytes than a ri
 fit under the fairscale backend ran out of memory inside them, and steps took longer. A ring
 writes each received chunk straight into its place in FSDP2's own buffers.
 
+Before each collective, the workers all-gather what each is about to run
+(:class:`CollectiveAgreement`): workers that disagree (a forward that skips a wrapped module on
+one worker only) end with one line naming both collectives (:class:`CollectiveMismatchError`),
+where gloo received a ring chunk of the wrong size and aborted the worker from its I/O thread
+(``process 1 terminated with signal SIGABRT``, nothing else said).
+
 Kept apart from :mod:`~tango_fairscale.cpu.collectives` so that the fairscale backend never
 imports FSDP2.
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,11 +94,71 @@ class UnitBuffer:
         self._buffer = None
 
 
+class CollectiveMismatchError(RuntimeError):
+    """Workers of a CPU mesh were about to run different FSDP2 collectives."""
+
+
+#: The collectives, as :class:`CollectiveAgreement` sends them.
+_KINDS = {1: "all-gather", 2: "reduce-scatter"}
+
+
+@dataclass
+class CollectiveAgreement:
+    """
+    What the FSDP2 units of one model on a CPU mesh have run: their names in the order they were
+    sharded (the same on every worker), and how many collectives they have run. Before a
+    collective, the workers all-gather ``[kind, unit, elements, number]`` and each compares every
+    worker's with its own: a message of a fixed size, which gloo delivers whatever the workers
+    disagree on, where a ring chunk of another size aborts the receiving worker. Every worker sees
+    the same rows, so all of them raise, and none is left waiting in a ring.
+    """
+
+    units: List[str] = field(default_factory=list)
+    calls: int = 0
+
+    def add(self, name: Optional[str]) -> int:
+        self.units.append(name or f"unit {len(self.units)}")
+        return len(self.units) - 1
+
+    def check(self, kind: int, unit: int, elements: int, group: dist.ProcessGroup) -> None:
+        """Raise :class:`CollectiveMismatchError` if another worker of ``group`` runs another collective."""
+        world_size = dist.get_world_size(group)
+        if world_size == 1:
+            return
+        self.calls += 1
+        mine = torch.tensor([kind, unit, elements, self.calls], dtype=torch.int64)
+        everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64)
+        # gloo's own collective of a fixed size: it applies the group's timeout (collective_timeout),
+        # and it costs about a small all-reduce, a fraction of a ring transfer's wait.
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        for index, theirs in enumerate(everyone.view(world_size, -1)):
+            if not torch.equal(theirs, mine):
+                raise CollectiveMismatchError(
+                    f"worker {dist.get_rank()} was to run {self._describe(mine)} where worker "
+                    f"{dist.get_global_rank(group, index)} ran {self._describe(theirs)}: the workers "
+                    "ran different collectives (e.g. a forward that skips a wrapped module on some workers "
+                    "only). Every worker must run the same FSDP units, in the same order."
+                )
+
+    def _describe(self, message: torch.Tensor) -> str:
+        kind, unit, elements, number = (int(value) for value in message)
+        name = self.units[unit] if 0 <= unit < len(self.units) else f"unit {unit}"
+        what = _KINDS.get(kind, f"collective {kind}")
+        return f"collective #{number}, the {what} of {name} ({elements} elements)"
+
+
 class RingAllGather(AllGather):
     """All-gather of FSDP2 units on CPU meshes: the gloo ring, synchronous (CPU has no streams)."""
 
-    def __init__(self, buffer: Optional[UnitBuffer] = None) -> None:
+    def __init__(
+        self,
+        buffer: Optional[UnitBuffer] = None,
+        agreement: Optional[CollectiveAgreement] = None,
+        unit: int = 0,
+    ) -> None:
         self.buffer = buffer if buffer is not None else UnitBuffer()
+        self.agreement = agreement
+        self.unit = unit
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.buffer.allocate(size, dtype=dtype, device=device)
@@ -104,6 +170,8 @@ class RingAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Optional[dist.Work]:
+        if self.agreement is not None:
+            self.agreement.check(1, self.unit, input_tensor.numel(), group)
         world_size = dist.get_world_size(group)
         pieces = list(output_tensor.chunk(world_size))
         if not ring_compatible(pieces, input_tensor, world_size):
@@ -141,9 +209,18 @@ class RingReduceScatter(ReduceScatter):
     is kept through the optimizer step: memory, not a wrong result.
     """
 
-    def __init__(self, inputs: Optional[UnitBuffer] = None, *, ends_backward: bool = False) -> None:
+    def __init__(
+        self,
+        inputs: Optional[UnitBuffer] = None,
+        *,
+        ends_backward: bool = False,
+        agreement: Optional[CollectiveAgreement] = None,
+        unit: int = 0,
+    ) -> None:
         self.inputs = inputs
         self.ends_backward = ends_backward
+        self.agreement = agreement
+        self.unit = unit
         #: Whether the next allocation is an output (the input of the same reduce-scatter was given).
         self._input_given = False
 
@@ -177,6 +254,8 @@ class RingReduceScatter(ReduceScatter):
                 f"{torch.__version__}): the torch backend's CPU collectives expect FSDP2's "
                 "foreach_reduce to allocate the input first, then the output."
             )
+        if self.agreement is not None:
+            self.agreement.check(2, self.unit, output_tensor.numel(), group)
         world_size = dist.get_world_size(group)
         pieces = list(input_tensor.chunk(world_size))
         average = op == dist.ReduceOp.AVG
@@ -204,12 +283,20 @@ class UnitBuffers:
 
     gathers: UnitBuffer = field(default_factory=UnitBuffer)
     scatters: UnitBuffer = field(default_factory=UnitBuffer)
+    #: The units' collectives, checked to agree across the workers before each one.
+    agreement: CollectiveAgreement = field(default_factory=CollectiveAgreement)
 
 
-def use_ring_collectives(module: Any, buffers: UnitBuffers, *, root: bool) -> None:
+def use_ring_collectives(
+    module: Any, buffers: UnitBuffers, *, root: bool, name: Optional[str] = None
+) -> None:
     """
     Make an FSDP2 unit on a CPU mesh gather and reduce-scatter with the rings; the units of one
-    model share ``buffers`` (:class:`UnitBuffer`), ``root`` says whether this is the model's root.
+    model share ``buffers`` (:class:`UnitBuffer`), ``root`` says whether this is the model's root,
+    ``name`` is the unit's, for errors (:class:`CollectiveAgreement`).
     """
-    module.set_custom_all_gather(RingAllGather(buffers.gathers))
-    module.set_custom_reduce_scatter(RingReduceScatter(buffers.scatters, ends_backward=root))
+    unit = buffers.agreement.add(name)
+    module.set_custom_all_gather(RingAllGather(buffers.gathers, buffers.agreement, unit))
+    module.set_custom_reduce_scatter(
+        RingReduceScatter(buffers.scatters, ends_backward=root, agreement=buffers.agreement, unit=unit)
+    )

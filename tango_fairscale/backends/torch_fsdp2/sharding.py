@@ -336,7 +336,7 @@ def _shard(
     fully_shard(module, mesh=mesh, **kwargs)
     if mesh.device_type == "cpu":
         # Gloo's own all_gather_into_tensor / reduce_scatter_tensor copy whole buffers on CPU.
-        use_ring_collectives(module, unit_buffers, root=root)
+        use_ring_collectives(module, unit_buffers, root=root, name=repr(name) if name else "the root unit")
     if config.clear_autocast_cache:
         # Registered after fully_shard's own hooks, so it runs after the unit has resharded.
         module.register_forward_hook(_clear_autocast_cache)
