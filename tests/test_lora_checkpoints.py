@@ -8,6 +8,7 @@ naming it; ``weights.pt`` and ``consolidate`` read the base from the files.
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -17,7 +18,7 @@ import torch
 from tango_fairscale import cli, consolidation
 from tango_fairscale.checkpointing import pretrained_base
 from tests import harness
-from tests.helpers import TINY_LLAMA, max_abs_difference, save_tiny_llama, train_config
+from tests.helpers import TINY_LLAMA, max_abs_difference, readme_command_lines, save_tiny_llama, train_config
 
 pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
@@ -145,18 +146,19 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    for output, extra in ((adapter_dir, []), (merged_dir, ["--merge"])):
-        arguments = [
-            "consolidate",
-            str(checkpoint),
-            str(output),
-            "--format",
-            "hf",
-            "--hf-config",
-            str(pretrained),
-        ]
-        assert cli.main(arguments + extra) == 0
+    # The commands of docs/pretrained.md, as written there.
+    adapter_line, merged_line = readme_command_lines(
+        "bash", "--hf-config /models/my-llama --merge", doc="docs/pretrained.md"
+    )
+    outputs = []
+    for line in (adapter_line, merged_line):
+        command = shlex.split(
+            line.replace("/models/my-llama", str(pretrained)).replace("WORK_DIR", str(plain.work_dir))
+        )
+        assert command[:4] == ["python", "-m", "tango_fairscale", "consolidate"], command
+        outputs.append(tmp_path / command[5])
+        assert cli.main([*command[3:5], str(outputs[-1]), *command[6:]]) == 0
+    adapter_dir, merged_dir = outputs
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), adapter_dir).eval()
     assert max_abs_difference(dict(loaded.state_dict()), uninterrupted) == 0.0
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()

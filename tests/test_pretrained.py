@@ -638,7 +638,9 @@ def test_docs_consolidate_format_hf_command_as_written(
     from tango_fairscale import cli
     from tests.helpers import readme_command_lines
 
-    (line,) = readme_command_lines("bash", "--format hf --hf-config", doc="docs/pretrained.md")
+    (line,) = readme_command_lines(
+        "bash", "--format hf --hf-config /models/my-gpt2", doc="docs/pretrained.md"
+    )
     filled = line.replace("WORK_DIR", str(WORK_DIRS["fairscale-finetuned"])).replace(
         "/models/my-gpt2", str(pretrained)
     )

@@ -141,3 +141,22 @@ def test_the_left_out_base_is_read_back_from_the_files(files: Path) -> None:
     added = pretrained_base.add_base_tensors(dict(trained), marker)
     assert added.keys() == {"adapter.weight", "adapter.bias", "embed.weight", "head.weight"}
     assert pretrained_base.with_base(_Source(trained), {}).entries == _Source(trained).entries
+
+
+def test_entries_a_source_lists_but_cannot_produce_come_from_the_files_in_place(files: Path) -> None:
+    # The fairscale backend lists a left-out flat parameter's tensors where the model has them.
+    base = pretrained_base.frozen_base(_built(files, ["embed.weight"]))
+    assert base is not None
+    marker = {pretrained_base.MARKER_FIELD: base.marker_fields()}
+    source = _Source(
+        {"adapter.weight": torch.ones(3, 3), "embed.weight": torch.empty(0), "adapter.bias": torch.zeros(3)}
+    )
+    source.entries.append(TensorEntry("head.weight", (0,), torch.float64, "embed.weight"))
+    source.left_out = {"embed.weight"}  # type: ignore[attr-defined]
+    entries = pretrained_base.with_base(source, marker).entries
+    assert [e.name for e in entries] == ["adapter.weight", "embed.weight", "adapter.bias", "head.weight"]
+    assert entries[1] == TensorEntry("embed.weight", (5, 3), torch.float32)
+    assert entries[3] == TensorEntry("head.weight", (5, 3), torch.float32, "embed.weight")
+    source.left_out = {"adapter.weight"}  # type: ignore[attr-defined]
+    with pytest.raises(CheckpointError, match="holds no value for adapter.weight, and names no file"):
+        pretrained_base.with_base(source, marker)

@@ -20,7 +20,7 @@ fraction of a full fine-tune's (``docs/checkpoints.md`` has the measured bytes).
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,9 +38,11 @@ MARKER_FIELD = "pretrained_base"
 class PretrainedBase:
     """The frozen parameters of a model that are, unchanged, tensors of pretrained files."""
 
-    def __init__(self, tensors: Mapping[str, Tuple[str, str]]) -> None:
+    def __init__(self, tensors: Mapping[str, Tuple[str, str]], order: Sequence[str] = ()) -> None:
         #: Plain model parameter name (every name of a tied parameter) -> (file, tensor name).
         self.tensors: Dict[str, Tuple[str, str]] = dict(sorted(tensors.items()))
+        #: The model's state-dict keys in its order, where weights.pt puts the base back.
+        self.order = list(order)
         self._digests: Optional[Dict[str, Dict[str, Any]]] = None
 
     @property
@@ -52,7 +54,11 @@ class PretrainedBase:
         if self._digests is None:
             # Hashed once per run, by the processes that write markers.
             self._digests = {path: file_digest(Path(path)) for path in sorted(self.files)}
-        return {"files": self._digests, "tensors": {k: list(v) for k, v in self.tensors.items()}}
+        return {
+            "files": self._digests,
+            "tensors": {k: list(v) for k, v in self.tensors.items()},
+            "order": self.order,
+        }
 
     @property
     def files(self) -> Set[str]:
@@ -74,7 +80,11 @@ def frozen_base(model: nn.Module, clean: Any = None) -> Optional[PretrainedBase]
         origin = pretrained_origin(param)
         if origin is not None:
             tensors[clean(name) if clean is not None else name] = origin
-    return PretrainedBase(tensors) if tensors else None
+    if not tensors:
+        return None
+    # The state dict's keys of the model on meta (nothing is allocated).
+    order = [clean(name) if clean is not None else name for name in model.state_dict(keep_vars=True)]
+    return PretrainedBase(tensors, order)
 
 
 def saved_base(marker: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
@@ -151,21 +161,51 @@ class WithPretrainedBase:
     def __init__(self, source: Any, base: Mapping[str, Any], *, hashes: bool = True) -> None:
         check_files(base, hashes=hashes)
         self._source = source
-        self._tensors: Dict[str, Tuple[str, str]] = {k: (v[0], v[1]) for k, v in base["tensors"].items()}
-        entries = list(source.entries)
-        present = {entry.name for entry in entries}
+        saved = list(source.entries)
+        # Entries a source lists in place but cannot produce (the fairscale backend's left-out flat
+        # parameters), and names it does not list at all (the torch backend's).
+        left_in_place = set(getattr(source, "left_out", ()))
+        present = {entry.name for entry in saved} - left_in_place
+        #: The left-out names -> (file, tensor name).
+        self._tensors: Dict[str, Tuple[str, str]] = {
+            k: (v[0], v[1]) for k, v in base["tensors"].items() if k not in present
+        }
+        unknown = sorted(left_in_place - set(self._tensors))
+        if unknown:
+            raise CheckpointError(
+                f"The checkpoint holds no value for {', '.join(unknown[:5])}, and names no file for it."
+            )
+        # A name the source does not list goes where the model's state dict has it (the marker's
+        # order), the source's entries keep theirs: weights.pt lists its keys as the model does.
+        rank = {name: index for index, name in enumerate(base.get("order") or [])}
+        unlisted = sorted(
+            set(self._tensors) - left_in_place, key=lambda name: (rank.get(name, len(rank)), name)
+        )
+        entries: List[TensorEntry] = []
         first: Dict[Tuple[str, str], str] = {}
-        for name, origin in self._tensors.items():
-            if name in present:
-                continue
-            if origin in first:
-                root = first[origin]
-                shape, dtype = self._shape_dtype(origin)
-                entries.append(TensorEntry(name, shape, dtype, root))
-                continue
-            first[origin] = name
+
+        def from_file(name: str, alias_of: Optional[str] = None) -> TensorEntry:
+            origin = self._tensors[name]
             shape, dtype = self._shape_dtype(origin)
-            entries.append(TensorEntry(name, shape, dtype))
+            entry = TensorEntry(name, shape, dtype, alias_of or first.get(origin))
+            first.setdefault(origin, name)
+            return entry
+
+        def add_unlisted(upto: int) -> None:
+            while unlisted and rank.get(unlisted[0], len(rank)) < upto:
+                entries.append(from_file(unlisted.pop(0)))
+
+        by_name: Dict[str, TensorEntry] = {}
+        for entry in saved:
+            add_unlisted(rank.get(entry.name, len(rank)))
+            if entry.name in left_in_place:
+                entry = from_file(entry.name, entry.alias_of)
+            elif entry.alias_of in left_in_place:  # the file's shape and dtype, as its root's
+                root = by_name[entry.alias_of]
+                entry = TensorEntry(entry.name, root.shape, root.dtype, entry.alias_of)
+            by_name[entry.name] = entry
+            entries.append(entry)
+        add_unlisted(len(rank) + 1)
         self.entries = entries
 
     @staticmethod

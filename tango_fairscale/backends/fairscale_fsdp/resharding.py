@@ -6,7 +6,7 @@ last one padded with zeros. Rebuilding the full model and optimizer state offlin
 """
 
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
 
@@ -286,6 +286,8 @@ class ConsolidatedModel:
     def __init__(self, shards: List[Dict[str, Any]]) -> None:
         self._weights = [shard["weights"] for shard in shards]
         metadata = [shard["metadata"] for shard in shards]
+        #: The entries of flat parameters the checkpoint left out (a pretrained frozen base).
+        self.left_out: Set[str] = set()
         #: name -> (flat parameter key, offset in its unpadded whole, unit index) for parameters.
         self._slices: Dict[str, Tuple[str, int, int]] = {}
         self._paddings = [_paddings(m) for m in metadata]
@@ -294,22 +296,22 @@ class ConsolidatedModel:
         for unit in metadata[0]["param_metadata"]:
             for backing_name, info in unit["params"].items():
                 key = f"{unit['fsdp_path']}.{backing_name}" if unit["fsdp_path"] else backing_name
-                if key not in self._weights[0]:
-                    # A frozen flat parameter of pretrained tensors the checkpoint names instead
-                    # of holding (checkpointing.pretrained_base supplies it from the files).
-                    continue
+                held = key in self._weights[0]
                 self._single[key] = bool(unit["no_broadcast_optim_state"])
-                dtype = self._weights[0][key].dtype
+                # A frozen flat parameter of pretrained tensors the checkpoint names instead of
+                # holding: listed in its place, produced from the files by
+                # checkpointing.pretrained_base (the dtype is the file's).
+                dtype = self._weights[0][key].dtype if held else torch.float32
                 offset = 0
                 for name, shape, numel in zip(info["names"], info["shapes"], info["numels"]):
                     out = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+                    if not held:
+                        self.left_out.add(out)
                     entries[out] = TensorEntry(out, tuple(shape), dtype)
                     self._slices[out] = (key, offset, numel)
                     offset += numel
 
         def alias(destination: str, source: str) -> None:
-            if source not in entries:  # left to the pretrained files, as its source is
-                return
             root = entries[source].alias_of or source
             entries[destination] = TensorEntry(destination, entries[root].shape, entries[root].dtype, root)
 
@@ -329,6 +331,8 @@ class ConsolidatedModel:
 
     def produce(self, entry: TensorEntry) -> torch.Tensor:
         """The full tensor of ``entry`` (one of :attr:`entries`, not an alias)."""
+        if entry.name in self.left_out:
+            raise CheckpointError(f"The checkpoint holds no value for {entry.name} (its pretrained base).")
         if entry.name not in self._slices:  # a buffer
             return self._weights[0][entry.name]
         key, start, numel = self._slices[entry.name]
