@@ -12,7 +12,7 @@ there, and refuses with an error naming both otherwise:
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
   frozen and trainable parameters in one unit (F7), a stopped step told once (T6) and the warning
   filters (W1-W3).
-- :func:`enable_cpu_fsdp` installs F1-F4 in a process whose FSDP units compute on the CPU (the
+- :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
 - :func:`meta_parameter_registration` is the one torch patch (P1), active only while the
@@ -394,8 +394,8 @@ def _set_base_collectives(enabled: bool) -> None:
 
 def enable_cpu_fsdp() -> None:
     """
-    Make FairScale's FSDP run with a CPU compute device over the gloo backend (F1-F4).
-    Idempotent and thread-safe.
+    Make FairScale's FSDP run with a CPU compute device over the gloo backend (F1-F4), its
+    reduce-scatter bucket filled without a stacked copy (F9). Idempotent and thread-safe.
     """
     global _cpu_enabled, _record_stream_library, _base_collectives_default
     with _cpu_lock:
@@ -414,6 +414,7 @@ def enable_cpu_fsdp() -> None:
         library = torch.library.Library("aten", "IMPL")
         library.impl("record_stream", noop_record_stream, "CPU")
         _record_stream_library = library
+        _install_bucket_without_stack()
         _cpu_enabled = True
         logger.debug("Enabled FairScale FSDP on CPU workers")
 
@@ -431,7 +432,28 @@ def disable_cpu_fsdp() -> None:
         if _record_stream_library is not None:
             _record_stream_library._destroy()
             _record_stream_library = None
+        bucketer = _fairscale_modules()[1].ReduceScatterBucketer
+        if getattr(bucketer.reduce_scatter_async, "__tango_fairscale_patch__", None) == "F9":
+            bucketer.reduce_scatter_async = bucketer.reduce_scatter_async.__wrapped__
         _cpu_enabled = False
+
+
+def _install_bucket_without_stack() -> None:
+    """F9: FairScale's reduce-scatter bucket filled chunk by chunk (``bucketing``), on CPU workers."""
+    from .backends.fairscale_fsdp import bucketing
+
+    bucketer = _fairscale_modules()[1].ReduceScatterBucketer
+    _require_attributes(bucketer, ("reduce_scatter_async", "_get_shard_size", "_get_bucket"), "F9")
+    original = bucketer.reduce_scatter_async
+    if getattr(original, "__tango_fairscale_patch__", None) == "F9":
+        return
+
+    @functools.wraps(original)
+    def reduce_scatter_async(self: Any, input_list: Any, group: Any, callback_fn: Any = None) -> None:
+        bucketing.reduce_scatter_async(original, self, input_list, group, callback_fn)
+
+    reduce_scatter_async.__tango_fairscale_patch__ = "F9"  # type: ignore[attr-defined]
+    bucketer.reduce_scatter_async = reduce_scatter_async
 
 
 def cpu_fsdp_enabled() -> bool:

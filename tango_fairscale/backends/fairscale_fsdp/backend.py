@@ -30,6 +30,7 @@ from ...materialize import has_meta_parameters, materialize_module, parameters_o
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource
 from ..lookup import check_written_by, holds_worker_files
+from . import flat_groups
 from .resharding import (
     ConsolidatedModel,
     check_same_parameter_shapes,
@@ -458,6 +459,11 @@ def wrap(config: FSDPConfig, module: nn.Module) -> FSDP:
             logger.debug("move_params_to_cpu/move_grads_to_cpu have no effect on CPU workers")
         kwargs["move_params_to_cpu"] = False
         kwargs["move_grads_to_cpu"] = False
+        unit = FSDP(module, **kwargs)
+        # Gathered parameters freed before the flat gradient is assembled: a unit's size less in
+        # each unit's backward (F8).
+        flat_groups.release_early_in(unit)
+        return unit
     return FSDP(module, **kwargs)
 
 

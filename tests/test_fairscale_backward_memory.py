@@ -1,0 +1,170 @@
+"""
+What the fairscale backend holds in a backward pass on CPU workers, and the same numbers without
+it: F8 frees a unit's gathered parameters before autograd assembles their flat gradient, not
+after (DDP's losses, one unit's gathered size less at the peak of a backward pass); F9 fills
+FairScale's reduce-scatter bucket without a stacked copy of each gradient (the same sums, the
+copy's size less).
+"""
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from tango.common import Lazy, Params
+from tango.integrations.torch import Model
+from tango.integrations.torch.util import set_seed_all
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from tango_fairscale.backends.fairscale_fsdp.flat_groups import FlattenTrainableApart
+from tests import harness
+from tests.helpers import train_config
+
+WIDTH, BLOCKS, STEPS = 1024, 3, 3
+#: One unit's flat parameter, gathered: the block's Linear (WIDTH^2 + WIDTH) and LayerNorm (2 WIDTH).
+UNIT_BYTES = (WIDTH * WIDTH + 3 * WIDTH) * 4
+
+
+def experiment() -> Dict[str, Any]:
+    config = train_config(
+        wrap="nested",
+        model={"type": "test::tied_lm", "vocab_size": 64, "width": WIDTH, "num_blocks": BLOCKS},
+        # Every reduce-scatter on its own: the bucket (25 MiB, allocated in backward) would be
+        # the peak of so small a model.
+        fsdp_config={"bucket_cap_mb": 0},
+        callbacks=[],
+    )
+    config["steps"]["data"] = {"type": "test::token_data", "vocab_size": 64, "length": 8}
+    return config
+
+
+def backward_peak_bytes(profiled: profile) -> int:
+    """
+    The most CPU tensor memory allocated at once during the profiled span, above its start: the
+    allocator's records in time order (an operator's own event only adds up those of its calls).
+    """
+    records = [e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for record in sorted(records, key=lambda e: e.start_ns()):
+        if record.device_type() == DeviceType.CPU:
+            live += record.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def train_fsdp(worker: harness.Worker, work_dir: Path, early: bool) -> Dict[str, Any]:
+    """STEPS steps of the fairscale backend, F8 on or off; each backward's peak tensor memory."""
+    config = experiment()
+    engine = worker.engine(config, work_dir)
+    wrappers = [m for m in engine.model.modules() if isinstance(m, FlattenTrainableApart)]
+    # Every unit of a CPU worker releases early (the root and the blocks).
+    assert len(wrappers) == BLOCKS + 1
+    assert all(w._early_release_unit is not None for w in wrappers)
+    if not early:
+        for wrapper in wrappers:
+            wrapper._early_release_unit = None
+    batches = worker.batches(config)
+    losses: List[float] = []
+    peaks: List[int] = []
+    for _ in range(STEPS):
+        (micro_batch,) = next(batches)
+        loss, _ = engine.forward_train(micro_batch, 0, 1)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+            engine.backward(loss)
+        peaks.append(backward_peak_bytes(profiled))
+        engine.step()
+        losses.append(loss.item())
+    # Each worker's shards after training: the same bits with F8 on and off.
+    shards = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    return {"losses": losses, "peaks": peaks, "shards": shards}
+
+
+def train_ddp(worker: harness.Worker) -> List[float]:
+    """The same steps with torch's DDP on the plain model (the engine's process group)."""
+    config = experiment()
+    train = config["steps"]["train"]
+    set_seed_all(train["seed"])  # as the engine does before it builds the model
+    model = Lazy(Model, Params(dict(train["model"]["model"]))).construct()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    options = {k: v for k, v in train["training_engine"]["optimizer"].items() if k != "type"}
+    optimizer = torch.optim.AdamW(ddp.parameters(), **options)
+    batches = worker.batches(config)
+    losses = []
+    for _ in range(STEPS):
+        (micro_batch,) = next(batches)
+        loss = ddp(**micro_batch)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def compare(worker: harness.Worker, work_dir: str) -> Dict[str, Any]:
+    results = {early: train_fsdp(worker, Path(work_dir) / str(early), early) for early in (False, True)}
+    return {"off": results[False], "on": results[True], "ddp": train_ddp(worker)}
+
+
+def test_early_release_keeps_the_numbers_and_lowers_the_backward_peak(tmp_path: Path) -> None:
+    (result,) = harness.run([harness.Call(compare, (str(tmp_path / "work"),))], out=tmp_path / "out")
+    for rank, value in enumerate(result.check().values):
+        off, on, ddp = value["off"], value["on"], value["ddp"]
+        # Only when memory is freed changes: the same bits, and DDP's losses.
+        assert on["losses"] == off["losses"]
+        assert all(torch.equal(on["shards"][k], off["shards"][k]) for k in off["shards"])
+        assert on["losses"] == pytest.approx(ddp, rel=1e-6)
+        assert len(set(on["losses"])) == STEPS  # it trained
+        # A unit's gathered parameter is no longer held while its flat gradient is assembled.
+        saved = [o - n for o, n in zip(off["peaks"], on["peaks"])]
+        print(f"worker {rank}: backward peaks {off['peaks']} -> {on['peaks']} bytes (unit {UNIT_BYTES})")
+        assert all(s >= 0.75 * UNIT_BYTES for s in saved), (saved, UNIT_BYTES)
+
+
+def fill_bucket(worker: harness.Worker, with_f9: bool) -> Dict[str, Any]:
+    """
+    FairScale's reduce-scatter bucketer on this worker's gradient (two calls, so that the bucket
+    exists before the measured one), with F9 or FairScale's own method; the sums and the peak
+    memory of the measured call.
+    """
+    import torch.distributed as dist
+    from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+    from tango_fairscale import compat
+
+    compat.enable_cpu_fsdp()  # F4's rings and F9, as on a CPU worker
+    method = ReduceScatterBucketer.reduce_scatter_async
+    assert getattr(method, "__tango_fairscale_patch__", None) == "F9"
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=4)  # a shard of 2 MiB at 2 workers
+    call = method if with_f9 else method.__wrapped__
+    results: List[torch.Tensor] = []
+    peak = 0
+    for index in range(2):
+        # 2 chunks of 256 Ki floats (1 MiB), different on each worker and call.
+        gradient = torch.arange(2 * 2**18, dtype=torch.float32) * (worker.rank + 1) + index
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+            call(bucketer, list(gradient.chunk(2)), dist.group.WORLD, results.append)
+        peak = backward_peak_bytes(profiled)
+    bucketer.flush()
+    return {"sums": [r.clone() for r in results], "peak": peak}
+
+
+def compare_buckets(worker: harness.Worker) -> Dict[str, Any]:
+    worker.init_process_group()
+    return {"f9": fill_bucket(worker, True), "fairscale": fill_bucket(worker, False)}
+
+
+def test_the_bucket_is_filled_without_a_stacked_copy(tmp_path: Path) -> None:
+    (result,) = harness.run([harness.Call(compare_buckets)], out=tmp_path / "out")
+    chunk = 2**18
+    for rank, value in enumerate(result.check().values):
+        f9, fairscale = value["f9"], value["fairscale"]
+        # The sums of both workers' chunks (1 x and 2 x the gradient), this worker's half.
+        for index in range(2):
+            expected = (torch.arange(2 * chunk, dtype=torch.float32) * 3 + 2 * index).chunk(2)[rank]
+            assert torch.equal(f9["sums"][index], expected)
+            assert torch.equal(fairscale["sums"][index], expected)
+        # FairScale's stack of the two chunks (2 MiB) is the whole of its call's peak; F9's none.
+        print(f"worker {rank}: peak of a bucketed call {fairscale['peak']} -> {f9['peak']} bytes")
+        assert fairscale["peak"] >= 2 * chunk * 4
+        assert f9["peak"] == 0
