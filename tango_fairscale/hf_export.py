@@ -37,33 +37,13 @@ from .output_paths import (
     remove_stale_temporaries,
     temporary_sibling,
 )
+from .safetensors_files import DTYPES
 
 #: Shards of at most this many bytes of tensor data, as ``save_pretrained``'s default ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
-#: safetensors' dtype names, in the order of its ``Dtype`` enum: tensors are laid out by
-#: descending dtype (so larger alignments come first), then by name.
-_DTYPES: List[Tuple[torch.dtype, str]] = [
-    (torch.bool, "BOOL"),
-    (torch.uint8, "U8"),
-    (torch.int8, "I8"),
-    (torch.float8_e5m2, "F8_E5M2"),
-    (torch.float8_e4m3fn, "F8_E4M3"),
-    (torch.int16, "I16"),
-    (torch.uint16, "U16"),
-    (torch.float16, "F16"),
-    (torch.bfloat16, "BF16"),
-    (torch.int32, "I32"),
-    (torch.uint32, "U32"),
-    (torch.float32, "F32"),
-    (torch.float64, "F64"),
-    (torch.int64, "I64"),
-    (torch.uint64, "U64"),
-]
-_DTYPE_NAME = {dtype: name for dtype, name in _DTYPES}
-#: torch's dtype of each safetensors dtype name (for reading).
-SAFETENSORS_DTYPES = {name: dtype for dtype, name in _DTYPES}
-_DTYPE_RANK = {dtype: rank for rank, (dtype, _) in enumerate(_DTYPES)}
+_DTYPE_NAME = {dtype: name for dtype, name in DTYPES}
+_DTYPE_RANK = {dtype: rank for rank, (dtype, _) in enumerate(DTYPES)}
 
 
 def _layout(tensors: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]]) -> List[str]:

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..safetensors_files import SAFETENSORS_DTYPES, SafetensorsFiles
 from .files import file_digest
 from .streaming import TensorEntry
 
@@ -161,6 +162,7 @@ class WithPretrainedBase:
     def __init__(self, source: Any, base: Mapping[str, Any], *, hashes: bool = True) -> None:
         check_files(base, hashes=hashes)
         self._source = source
+        self._directories: Dict[str, SafetensorsFiles] = {}
         saved = list(source.entries)
         # Entries a source lists in place but cannot produce (the fairscale backend's left-out flat
         # parameters), and names it does not list at all (the torch backend's).
@@ -208,39 +210,22 @@ class WithPretrainedBase:
         add_unlisted(len(rank) + 1)
         self.entries = entries
 
-    @staticmethod
-    def _shape_dtype(origin: Tuple[str, str]) -> Tuple[Tuple[int, ...], torch.dtype]:
-        from safetensors import safe_open
+    def _files(self, path: str) -> SafetensorsFiles:
+        directory = str(Path(path).parent)
+        if directory not in self._directories:
+            self._directories[directory] = SafetensorsFiles(Path(directory), source="the checkpoint's base")
+        return self._directories[directory]
 
-        with safe_open(origin[0], framework="pt") as handle:
-            sliced = handle.get_slice(origin[1])
-            shape = tuple(int(n) for n in sliced.get_shape())
-            dtype = _SAFETENSORS_DTYPES[sliced.get_dtype()]
-        return shape, dtype
+    def _shape_dtype(self, origin: Tuple[str, str]) -> Tuple[Tuple[int, ...], torch.dtype]:
+        _, entry = self._files(origin[0]).entry(origin[1])
+        return tuple(int(n) for n in entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]
 
     def produce(self, entry: TensorEntry) -> torch.Tensor:
         origin = self._tensors.get(entry.name)
         if origin is None:
             return self._source.produce(entry)  # type: ignore[no-any-return]
-        from safetensors import safe_open
-
-        with safe_open(origin[0], framework="pt") as handle:
-            return handle.get_tensor(origin[1])
-
-
-#: safetensors' dtype names (``get_dtype()``) -> torch dtypes.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+        # A copy of the shared, read-only mapping's view: the mapping is not this process's memory.
+        return self._files(origin[0]).read(origin[1]).clone()
 
 
 def with_base(source: Any, marker: Mapping[str, Any], *, hashes: bool = True) -> Any:
@@ -257,17 +242,20 @@ def add_base_tensors(
     if base is None:
         return state
     check_files(base, hashes=hashes)
-    from safetensors import safe_open
-
-    read: Dict[Tuple[str, str], torch.Tensor] = {}
-    for name, (path, tensor) in base["tensors"].items():
-        if name in state:
-            continue
-        if (path, tensor) not in read:
-            with safe_open(path, framework="pt") as handle:
-                read[(path, tensor)] = handle.get_tensor(tensor)
-        state[name] = read[(path, tensor)]
+    source = WithPretrainedBase(_Empty(), base, hashes=False)
+    for entry in source.entries:
+        if entry.name not in state:
+            state[entry.name] = state[entry.alias_of] if entry.alias_of else source.produce(entry)
     return state
+
+
+class _Empty:
+    """A model source without tensors (:func:`add_base_tensors` reads only the base)."""
+
+    entries: List[TensorEntry] = []
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor:
+        raise KeyError(entry.name)
 
 
 def materialize(source: Any) -> Dict[str, torch.Tensor]:
