@@ -1,21 +1,23 @@
 """
-Capacity: the largest GPT-2 that each configuration trains within a per-worker memory budget.
+Capacity: the largest model that each configuration trains within a per-worker memory budget.
 
-    python benchmarks/capacity.py [--budget auto|SIZE] [--world-sizes 2,4] [--configs ...]
-                                  [--json PATH] [--markdown PATH] [--chart PATH]
+    python benchmarks/capacity.py [--family gpt2|mlp|llama] [--budget auto|SIZE] [--world-sizes 2,4]
+                                  [--configs ...] [--json PATH] [--markdown PATH] [--chart PATH]
     python benchmarks/run.py --capacity ...   (the same)
     python benchmarks/capacity.py --probe-limits   (what RLIMIT_AS and RLIMIT_DATA count)
 
-The model family is GPT-2 small's width (768, 12 heads) with a byte vocabulary (257), 64
-positions and a variable depth: each block adds 7.08 M parameters and nothing else changes, so a
-depth is a clean parameter count. A trial is one ``tango run`` of ``torch::train``: 3 AdamW steps
-at 2 sequences per worker, with one checkpoint, the ``tango run`` process capped by
-``RLIMIT_DATA`` (soft and hard) before it starts, so that the main process and every worker it
-spawns are in the budget from start to exit. It fits if the run exits 0 with its ``weights.pt``
-and its cached step result. The ``benchmark::*_limited`` engines of ``components.py`` record each
-worker's peaks (training, and worker 0's consolidation). For each configuration and number of
-workers a search of a few trials finds the largest depth that fits and the smallest that fails:
-a first guess from a memory model (learned from the searches before it), predictions from the
+The model family is GPT-2 small's width (768, 12 heads) with a byte vocabulary (257), 64 positions
+and a variable depth: each block adds 7.08 M parameters and nothing else changes, so a depth is a
+clean parameter count. ``--family mlp`` searches a wide residual MLP (width 1024, 8.4 M parameters
+per block) and ``--family llama`` transformers' ``LlamaForCausalLM`` (width 768, 6.3 M per block)
+instead, with the same search (``Family`` says what differs). A trial is one ``tango run`` of
+``torch::train``: 3 AdamW steps at 2 sequences per worker, with one checkpoint, the ``tango run``
+process capped by ``RLIMIT_DATA`` (soft and hard) before it starts, so that the main process and
+every worker it spawns are in the budget from start to exit. It fits if the run exits 0 with its
+``weights.pt`` and its cached step result. The ``benchmark::*_limited`` engines of ``components.py``
+record each worker's peaks (training, and worker 0's consolidation). For each configuration and
+number of workers a search of a few trials finds the largest depth that fits and the smallest that
+fails: a first guess from a memory model (learned from the searches before it), predictions from the
 measured peak of each fitting trial, halving the interval when a prediction falls outside it.
 
 ``--budget auto`` (the default) first runs DDP on 2 workers without a limit on the smallest model
@@ -102,10 +104,196 @@ def model_parameters(shape: Dict[str, int], depth: int) -> int:
     return depth * block_parameters(shape) + (shape["vocab_size"] + shape["n_positions"]) * d + 2 * d
 
 
-def depth_for(shape: Dict[str, int], parameters: float) -> int:
-    """The smallest depth with at least ``parameters`` parameters."""
-    fixed = model_parameters(shape, 0)
-    return max(1, math.ceil((parameters - fixed) / block_parameters(shape)))
+def depth_for(family: "Family", shape: Dict[str, int], parameters: float) -> int:
+    """The smallest depth of ``family`` with at least ``parameters`` parameters."""
+    fixed = family.model_parameters(shape, 0)
+    return max(1, math.ceil((parameters - fixed) / family.block_parameters(shape)))
+
+
+# --------------------------------------------------------------------------------------------
+# Model families (--family): what the search needs of a model, the search itself is shared
+
+
+class Family:
+    """
+    A model family of variable depth: identical blocks (one FSDP unit each) and a fixed rest, a
+    language model over random tokens of ``shape``'s ``vocab_size`` and ``sequence_length``.
+    """
+
+    name = ""
+    #: The class name of a block: the wrap plan's ``wrap_module_classes``.
+    unit = ""
+    #: For the report: what one trial trains.
+    title = ""
+    shapes: Dict[str, Dict[str, int]] = {}
+
+    def block_parameters(self, shape: Dict[str, int]) -> int:
+        raise NotImplementedError
+
+    def fixed_parameters(self, shape: Dict[str, int]) -> int:
+        """Everything but the blocks."""
+        raise NotImplementedError
+
+    def model_parameters(self, shape: Dict[str, int], depth: int) -> int:
+        return self.fixed_parameters(shape) + depth * self.block_parameters(shape)
+
+    def model(self, shape: Dict[str, int], depth: int) -> Dict[str, Any]:
+        """The Tango ``Model`` config of ``depth`` blocks."""
+        raise NotImplementedError
+
+    def activation_floats_per_token(self, shape: Dict[str, int]) -> float:
+        """About what one block saves for backward, in float32 values per token."""
+        raise NotImplementedError
+
+    def width(self, shape: Dict[str, int]) -> int:
+        """The values per token between blocks (what a checkpointed block saves)."""
+        raise NotImplementedError
+
+    def describe(self, shape: Dict[str, int]) -> str:
+        """The report's first words: the family at ``shape``."""
+        raise NotImplementedError
+
+    def tokens(self, shape: Dict[str, int]) -> Tuple[int, int]:
+        """(vocabulary size, sequence length) of the data."""
+        return shape["vocab_size"], shape["sequence_length"]
+
+
+class GPT2Family(Family):
+    name, unit, title = "gpt2", BLOCK, "GPT-2"
+    shapes = SHAPES
+
+    def block_parameters(self, shape: Dict[str, int]) -> int:
+        return block_parameters(shape)
+
+    def fixed_parameters(self, shape: Dict[str, int]) -> int:
+        return model_parameters(shape, 0)
+
+    def model(self, shape: Dict[str, int], depth: int) -> Dict[str, Any]:
+        return {"type": "gpt2::from_config", "dropout": 0.0, "n_layer": depth, **shape}
+
+    def width(self, shape: Dict[str, int]) -> int:
+        return shape["n_embd"]
+
+    def activation_floats_per_token(self, shape: Dict[str, int]) -> float:
+        # About 17 values of the width, and the attention probabilities (a few copies of heads x
+        # positions).
+        return 17 * shape["n_embd"] + 3 * shape["n_head"] * shape["n_positions"]
+
+    def describe(self, shape: Dict[str, int]) -> str:
+        return (
+            f"GPT-2 of width {shape['n_embd']} ({shape['n_head']} heads, vocabulary {shape['vocab_size']}, "
+            f"{shape['n_positions']} positions) and variable depth"
+        )
+
+    def tokens(self, shape: Dict[str, int]) -> Tuple[int, int]:
+        return shape["vocab_size"], shape["n_positions"]
+
+
+class ResidualMLPFamily(Family):
+    """``benchmark::residual_mlp``: LayerNorm, Linear(d, 4d), GELU, Linear(4d, d), a residual."""
+
+    name, unit, title = "mlp", "ResidualMLPBlock", "residual MLP"
+    #: Width 1024: a block's flat parameter is 32 MiB and each of its two weights' gradients 16 MiB,
+    #: the issue's shape; the data as GPT-2's (byte vocabulary, 64 positions).
+    shapes = {
+        "full": {"width": 1024, "vocab_size": 257, "sequence_length": 64},
+        "quick": {"width": 64, "vocab_size": 257, "sequence_length": 32},
+    }
+
+    def block_parameters(self, shape: Dict[str, int]) -> int:
+        d = shape["width"]
+        return 8 * d * d + 7 * d  # two weights, their biases (5 d), the norm (2 d)
+
+    def fixed_parameters(self, shape: Dict[str, int]) -> int:
+        return shape["vocab_size"] * shape["width"] + 2 * shape["width"]  # tied embedding, final norm
+
+    def model(self, shape: Dict[str, int], depth: int) -> Dict[str, Any]:
+        return {
+            "type": "benchmark::residual_mlp",
+            "vocab_size": shape["vocab_size"],
+            "width": shape["width"],
+            "depth": depth,
+        }
+
+    def width(self, shape: Dict[str, int]) -> int:
+        return shape["width"]
+
+    def activation_floats_per_token(self, shape: Dict[str, int]) -> float:
+        # The norm's input and output, the 4 d up-projection and its GELU.
+        return 10 * shape["width"]
+
+    def describe(self, shape: Dict[str, int]) -> str:
+        d = shape["width"]
+        return (
+            f"Residual MLP of width {d} (each block LayerNorm, Linear({d}, {4 * d}), GELU, "
+            f"Linear({4 * d}, {d}) and a residual; a tied token embedding and head, vocabulary "
+            f"{shape['vocab_size']}, {shape['sequence_length']} positions) and variable depth"
+        )
+
+
+class LlamaFamily(Family):
+    """``benchmark::llama``: transformers' ``LlamaForCausalLM``, one unit per ``LlamaDecoderLayer``."""
+
+    name, unit, title = "llama", "LlamaDecoderLayer", "Llama"
+    #: GPT-2 small's width and heads, grouped-query attention (4 key-value heads) and Llama's
+    #: 8/3 d gated MLP, rounded: a block's flat parameter is 24 MiB, above the 16 MiB threshold.
+    shapes = {
+        "full": {
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "vocab_size": 257,
+            "sequence_length": 64,
+        },
+        "quick": {
+            "hidden_size": 64,
+            "intermediate_size": 176,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 257,
+            "sequence_length": 32,
+        },
+    }
+
+    def block_parameters(self, shape: Dict[str, int]) -> int:
+        d, heads = shape["hidden_size"], shape["num_attention_heads"]
+        kv = d // heads * shape["num_key_value_heads"]
+        # q and o (d^2 each), k and v (d x kv each), gate, up and down, two RMSNorms; no biases.
+        return 2 * d * d + 2 * d * kv + 3 * d * shape["intermediate_size"] + 2 * d
+
+    def fixed_parameters(self, shape: Dict[str, int]) -> int:
+        return shape["vocab_size"] * shape["hidden_size"] + shape["hidden_size"]  # tied embedding, norm
+
+    def model(self, shape: Dict[str, int], depth: int) -> Dict[str, Any]:
+        fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+        return {
+            "type": "benchmark::llama",
+            "vocab_size": shape["vocab_size"],
+            "max_position_embeddings": shape["sequence_length"],
+            "num_hidden_layers": depth,
+            **{key: shape[key] for key in fields},
+        }
+
+    def width(self, shape: Dict[str, int]) -> int:
+        return shape["hidden_size"]
+
+    def activation_floats_per_token(self, shape: Dict[str, int]) -> float:
+        # Norms, q, k, v, the attention's output and the gated MLP's four intermediates.
+        d, heads = shape["hidden_size"], shape["num_attention_heads"]
+        return 8 * d + 4 * shape["intermediate_size"] + 3 * heads * shape["sequence_length"]
+
+    def describe(self, shape: Dict[str, int]) -> str:
+        return (
+            f"Llama (`LlamaForCausalLM`) of width {shape['hidden_size']} ({shape['num_attention_heads']} "
+            f"heads, {shape['num_key_value_heads']} key-value heads, MLP {shape['intermediate_size']}, "
+            f"RMSNorm, rotary positions, tied embedding and head, vocabulary {shape['vocab_size']}, "
+            f"{shape['sequence_length']} positions) and variable depth"
+        )
+
+
+FAMILIES: Dict[str, Family] = {f.name: f for f in (GPT2Family(), ResidualMLPFamily(), LlamaFamily())}
+GPT2 = FAMILIES["gpt2"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,13 +303,16 @@ def depth_for(shape: Dict[str, int], parameters: float) -> int:
 def experiment(
     name: str, world_size: int, depth: int, args: argparse.Namespace, records: Path
 ) -> Dict[str, Any]:
+    if name in LORA_CONFIGS:
+        return lora_experiment(name, world_size, depth, args, records)
     engine_type, engine_options, wrapper, _ = CONFIGS[name]
-    model: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, "n_layer": depth, **args.shape}
+    model = args.family.model(args.shape, depth)
+    vocab_size, sequence_length = args.family.tokens(args.shape)
     if wrapper is not None:
         model = {
             "type": "fairscale::with_wrapped_modules",
             "model": model,
-            "wrap_module_classes": [BLOCK],
+            "wrap_module_classes": [args.family.unit],
             **wrapper,
         }
     engine: Dict[str, Any] = {
@@ -133,8 +324,8 @@ def experiment(
         "steps": {
             "data": {
                 "type": "benchmark::random_tokens",
-                "vocab_size": args.shape["vocab_size"],
-                "sequence_length": args.shape["n_positions"],
+                "vocab_size": vocab_size,
+                "sequence_length": sequence_length,
                 "count": args.batch_size * world_size * args.steps,
             },
             "train": {
@@ -278,6 +469,17 @@ class Trial:
     main_peak_rss_bytes: Optional[int] = None
     main_peak_vm_data_bytes: Optional[int] = None
 
+    @property
+    def run_peak_vm_data_bytes(self) -> Optional[int]:
+        """
+        The largest peak of any process of the run (the workers, worker 0's consolidation, the
+        main process), what the budget must hold: the search predicts from it. The workers' where
+        only theirs is known.
+        """
+        peaks = [self.peak_vm_data_bytes, self.consolidation_vm_data_bytes, self.main_peak_vm_data_bytes]
+        known = [p for p in peaks if p]
+        return max(known) if self.peak_vm_data_bytes and known else self.peak_vm_data_bytes
+
 
 def run_trial(
     name: str, world_size: int, depth: int, args: argparse.Namespace, scratch: Path, log: Optional[Path]
@@ -322,7 +524,7 @@ def run_trial(
         name,
         world_size,
         depth,
-        model_parameters(args.shape, depth),
+        args.family.model_parameters(args.shape, depth),
         returncode == 0,
         time.monotonic() - start,
     )
@@ -357,6 +559,15 @@ def run_trial(
                 ]
         else:
             trial.memory_error, trial.error = failure_reason(output, returncode)
+            # Which process ran out: the peaks of those that got as far as recording them (every
+            # worker's after training, worker 0's after weights.pt), the main process's above.
+            if len(workers) == world_size:
+                trial.training_vm_data_bytes = max(w["peak_vm_data_bytes"] for w in workers)
+            consolidation = records / "capacity_consolidation.json"
+            if consolidation.exists():
+                trial.consolidation_vm_data_bytes = json.loads(consolidation.read_text())[
+                    "peak_vm_data_consolidation_bytes"
+                ]
         if not trial.fits and log is not None:
             with log.open("a") as handle:
                 handle.write(f"\n===== {name} on {world_size} workers, depth {depth}: exit {returncode}\n")
@@ -396,7 +607,8 @@ class Search:
 @dataclass
 class MemoryModel:
     """
-    A worker's peak private memory as ``intercept + depth x per_block`` for one configuration,
+    The run's peak private memory (the largest over its processes, ``Trial.run_peak_vm_data_bytes``)
+    as ``intercept + depth x per_block`` for one configuration,
     where ``per_block`` is the model state of a block on one worker plus ``extra_per_block``
     (activations, buffers): for first guesses, refined by every fitting trial.
     """
@@ -404,40 +616,47 @@ class MemoryModel:
     intercept: float
     extra_per_block: float
 
-    def per_block(self, name: str, world_size: int, shape: Dict[str, int]) -> float:
+    def per_block(self, name: str, world_size: int, family: Family, shape: Dict[str, int]) -> float:
         shards = 1 if name == "ddp" else world_size
-        return STATE_BYTES[name] * block_parameters(shape) / shards + self.extra_per_block
+        return STATE_BYTES[name] * family.block_parameters(shape) / shards + self.extra_per_block
 
     @classmethod
-    def learn(cls, search: Search, shape: Dict[str, int], batch_size: int) -> Optional["MemoryModel"]:
-        fits = sorted((t for t in search.trials if t.fits and t.peak_vm_data_bytes), key=lambda t: t.depth)
+    def learn(
+        cls, search: Search, family: Family, shape: Dict[str, int], batch_size: int
+    ) -> Optional["MemoryModel"]:
+        fits = sorted(
+            (t for t in search.trials if t.fits and t.run_peak_vm_data_bytes), key=lambda t: t.depth
+        )
         if not fits:
             return None
         shards = 1 if search.config == "ddp" else search.world_size
-        state = STATE_BYTES[search.config] * block_parameters(shape) / shards
+        state = STATE_BYTES[search.config] * family.block_parameters(shape) / shards
         top = fits[-1]
-        assert top.peak_vm_data_bytes is not None
-        if len(fits) >= 2 and fits[-2].peak_vm_data_bytes:
-            slope = (top.peak_vm_data_bytes - fits[-2].peak_vm_data_bytes) / (top.depth - fits[-2].depth)
+        assert top.run_peak_vm_data_bytes is not None
+        if len(fits) >= 2 and fits[-2].run_peak_vm_data_bytes:
+            slope = (top.run_peak_vm_data_bytes - fits[-2].run_peak_vm_data_bytes) / (
+                top.depth - fits[-2].depth
+            )
             extra = max(0.0, slope - state)
         else:
-            extra = activation_bytes_per_block(search.config, shape, batch_size)
-        return cls(top.peak_vm_data_bytes - (state + extra) * top.depth, extra)
+            extra = activation_bytes_per_block(search.config, family, shape, batch_size)
+        return cls(top.run_peak_vm_data_bytes - (state + extra) * top.depth, extra)
 
 
-def activation_bytes_per_block(name: str, shape: Dict[str, int], batch_size: int) -> float:
+def activation_bytes_per_block(name: str, family: Family, shape: Dict[str, int], batch_size: int) -> float:
     """
-    What one block saves for backward: about 17 float32 values of the width per token, and the
-    attention probabilities (a few copies of heads x positions per token); its input alone with
-    activation checkpointing.
+    What one block saves for backward (the family's estimate per token); with activation
+    checkpointing its input alone (the block's width per token, its parameters' count gives it).
     """
-    d, tokens = shape["n_embd"], batch_size * shape["n_positions"]
+    tokens = batch_size * family.tokens(shape)[1]
     if name.endswith("_ckpt"):
-        return tokens * d * 4
-    return tokens * (17 * d + 3 * shape["n_head"] * shape["n_positions"]) * 4
+        return tokens * family.width(shape) * 4
+    return tokens * family.activation_floats_per_token(shape) * 4
 
 
-def next_depth(search: Search, budget: int, model: MemoryModel, shape: Dict[str, int]) -> Optional[int]:
+def next_depth(
+    search: Search, budget: int, model: MemoryModel, family: Family, shape: Dict[str, int]
+) -> Optional[int]:
     """
     The next depth to try, or None once the search is resolved. With a fitting trial: its
     measured peak plus the per-block cost (the slope between two fitting trials where there are
@@ -451,16 +670,16 @@ def next_depth(search: Search, budget: int, model: MemoryModel, shape: Dict[str,
         return None
     fit, failure = search.largest_fit, search.smallest_failure
     low = fit.depth if fit else 0
-    per_block = model.per_block(search.config, search.world_size, shape)
-    fits = sorted((t for t in search.trials if t.fits and t.peak_vm_data_bytes), key=lambda t: t.depth)
-    if len(fits) >= 2 and fits[-2].peak_vm_data_bytes and fits[-1].peak_vm_data_bytes:
-        slope = (fits[-1].peak_vm_data_bytes - fits[-2].peak_vm_data_bytes) / (
+    per_block = model.per_block(search.config, search.world_size, family, shape)
+    fits = sorted((t for t in search.trials if t.fits and t.run_peak_vm_data_bytes), key=lambda t: t.depth)
+    if len(fits) >= 2 and fits[-2].run_peak_vm_data_bytes and fits[-1].run_peak_vm_data_bytes:
+        slope = (fits[-1].run_peak_vm_data_bytes - fits[-2].run_peak_vm_data_bytes) / (
             fits[-1].depth - fits[-2].depth
         )
         # Noise can make a measured slope tiny or negative: not below half the expected one.
         per_block = max(slope, per_block / 2)
-    if fit is not None and fit.peak_vm_data_bytes:
-        guess = fit.depth + math.floor((budget - fit.peak_vm_data_bytes) / per_block)
+    if fit is not None and fit.run_peak_vm_data_bytes:
+        guess = fit.depth + math.floor((budget - fit.run_peak_vm_data_bytes) / per_block)
     else:
         guess = math.floor((budget - model.intercept) / per_block)
     if failure is None:
@@ -487,7 +706,7 @@ def search_capacity(
 ) -> Search:
     search = Search(name, world_size)
     for _ in range(args.max_trials):
-        depth = next_depth(search, args.budget_bytes, model, args.shape)
+        depth = next_depth(search, args.budget_bytes, model, args.family, args.shape)
         if depth is None or depth < 1 or depth > args.max_depth:
             break
         search.trials.append(run_trial(name, world_size, depth, args, scratch, args.log))
@@ -513,7 +732,7 @@ def first_model(
 
 def calibrate(args: argparse.Namespace, scratch: Path) -> Dict[str, Any]:
     """DDP on 2 workers without a limit, on the smallest model of ``--calibrate-parameters``."""
-    depth = depth_for(args.shape, args.calibrate_parameters)
+    depth = depth_for(args.family, args.shape, args.calibrate_parameters)
     budget, args.budget_bytes = args.budget_bytes, None
     try:
         trial = run_trial("ddp", 2, depth, args, scratch, args.log)
@@ -539,7 +758,7 @@ def summarize(searches: List[Search], budget: int) -> List[Dict[str, Any]]:
         record: Dict[str, Any] = {
             "config": search.config,
             "world_size": search.world_size,
-            "label": CONFIGS[search.config][3],
+            "label": config_label(search.config),
             "resolved": search.resolved,
             "fit": asdict(fit) if fit else None,
             "fail": asdict(failure) if failure else None,
@@ -572,12 +791,12 @@ def mib(value: Optional[float]) -> str:
 def markdown(data: Dict[str, Any]) -> str:
     settings, records, budget = data["settings"], data["records"], data["budget_bytes"]
     shape = settings["shape"]
+    family = FAMILIES[settings.get("family", "gpt2")]
     calibration = data.get("calibration")
     lines = [
         "# Capacity: the largest model that trains in a per-worker memory budget",
         "",
-        f"GPT-2 of width {shape['n_embd']} ({shape['n_head']} heads, vocabulary {shape['vocab_size']}, "
-        f"{shape['n_positions']} positions) and variable depth, {block_parameters(shape) / 1e6:.2f} M "
+        f"{family.describe(shape)}, {family.block_parameters(shape) / 1e6:.2f} M "
         f"parameters per block. Each trial is a `tango run` of {settings['steps']} AdamW steps at "
         f"{settings['batch_size']} sequences per worker with one checkpoint, the whole run capped by "
         f"`RLIMIT_DATA` at **{mib(budget)}** per process (`ulimit -d` before `tango run`: the main "
@@ -600,8 +819,11 @@ def markdown(data: Dict[str, Any]) -> str:
         *[f"| {key} | {value} |" for key, value in data["environment"].items()],
         "",
         "Reproduce: `python benchmarks/run.py --capacity"
+        + (f" --family {family.name}" if family is not GPT2 else "")
         + (" --quick" if settings["quick"] else "")
         + f" --world-sizes {','.join(map(str, settings['world_sizes']))}"
+        # A subset of the configurations (the default is all of CONFIGS).
+        + (f" --configs {','.join(settings['configs'])}" if settings["configs"] != list(CONFIGS) else "")
         + ("`" + f" (`--budget {budget}` skips the calibration)" if calibration else f" --budget {budget}`"),
         "",
         "| config | workers | trains | x DDP | fails | failure of the smaller that fails | trials |",
@@ -760,7 +982,10 @@ def chart(data: Dict[str, Any], path: Path) -> None:
     left.set_xticks(range(len(configs)))
     left.set_xticklabels(configs)
     left.set_ylabel("parameters (millions)")
-    left.set_title(f"Largest GPT-2 that trains in {mib(data['budget_bytes'])} per worker (ratio: x DDP)")
+    family = FAMILIES[data["settings"].get("family", "gpt2")]
+    left.set_title(
+        f"Largest {family.title} that trains in {mib(data['budget_bytes'])} per worker (ratio: x DDP)"
+    )
     left.grid(axis="y", alpha=0.3)
 
     # Where the budget goes in each configuration's largest model, per worker.
@@ -788,17 +1013,267 @@ def chart(data: Dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(data: Dict[str, Any], args: argparse.Namespace) -> str:
-    text = markdown(data)
+    lora = bool(data["settings"].get("lora"))
+    text = lora_markdown(data) if lora else markdown(data)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=2))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text)
-    if args.chart and data["records"]:
+    if args.chart and data["records"] and not lora:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         chart(data, args.chart)
     return text
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA against full fine-tuning (--lora)
+#
+# The same search, trial and limit as above, on a pretrained-shaped model: the Llama family's
+# LlamaForCausalLM of a given depth is written as a downloaded model is (config.json and
+# model.safetensors) before the trial, outside the budget, and a trial fine-tunes it from those
+# files with `fairscale::from_pretrained` under init_on_meta, in full or with LoRA adapters on the
+# attention's q_proj and v_proj (`fairscale::with_lora`), and exports it (the engine's export_hf:
+# the whole model, or the adapter). With LoRA a worker holds about 4 / N bytes per frozen
+# parameter where a full fine-tune holds 16 / N, but the main process builds the step's result,
+# the whole trained model, at 4 bytes per parameter whatever the sharding: the search predicts from
+# the largest peak of any process of the run (Trial.run_peak_vm_data_bytes).
+
+#: The adapters of the LoRA configurations: rank 8 on the attention's query and value projections.
+LORA_OPTIONS: Dict[str, Any] = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+
+#: name -> (engine options, LoRA or full fine-tuning, label). Every one on `init_on_meta` (the base
+#: read from the files one unit at a time) with `export_hf`, one unit per decoder layer.
+LORA_CONFIGS: Dict[str, Tuple[Dict[str, Any], bool, str]] = {
+    "fsdp_full": ({}, False, "FairScale FSDP (the default backend), full fine-tuning"),
+    "fsdp_lora": ({}, True, "FairScale FSDP, LoRA r=8 on q_proj and v_proj, the base frozen"),
+    "fsdp2_full": ({"backend": "torch"}, False, 'PyTorch FSDP2 (backend "torch"), full fine-tuning'),
+    "fsdp2_lora": ({"backend": "torch"}, True, "PyTorch FSDP2, LoRA r=8 on q_proj and v_proj"),
+}
+#: For first guesses (MemoryModel): a full fine-tune's 16 bytes per parameter sharded; a LoRA
+#: worker's frozen parameter, 4 bytes sharded (its adapters are a rounding error).
+STATE_BYTES.update({"fsdp_full": 16.0, "fsdp2_full": 16.0, "fsdp_lora": 4.0, "fsdp2_lora": 4.0})
+#: The main process's private memory besides the step's result (Python, torch, Tango,
+#: transformers and peft, the rendezvous store, the sampling): the first guess of a LoRA search.
+MAIN_RUNTIME_BYTES = 450 * MIB
+#: The target of the issue: LoRA fits at least this many times a full fine-tune's parameters.
+LORA_TARGETS = [(2, 3.0)]
+
+
+def config_label(name: str) -> str:
+    """The report's description of a configuration of either mode."""
+    return LORA_CONFIGS[name][2] if name in LORA_CONFIGS else CONFIGS[name][3]
+
+
+def llama_config_fields(shape: Dict[str, int], depth: int) -> Dict[str, Any]:
+    """The ``LlamaConfig`` of the Llama family at ``shape`` and ``depth``, as a model's config.json has it."""
+    fields = {k: v for k, v in FAMILIES["llama"].model(shape, depth).items() if k != "type"}
+    return {
+        **fields,
+        "tie_word_embeddings": True,
+        "use_cache": False,
+        # What a downloaded model's config names: the class export_hf writes it back as.
+        "architectures": ["LlamaForCausalLM"],
+    }
+
+
+def save_pretrained_llama(directory: Path, shape: Dict[str, int], depth: int, seed: int = 0) -> Path:
+    """
+    ``directory`` as ``save_pretrained`` writes a Llama of ``depth`` layers (``config.json``,
+    ``model.safetensors``, the tied head not repeated), with random weights (norms at one): written
+    one tensor at a time (the largest tensor's memory), not built whole, so that a model of a few
+    hundred million parameters costs this process nothing to write.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tango_fairscale.hf_export import hf_state_names, write_safetensors
+
+    config = LlamaConfig(**llama_config_fields(shape, depth))
+    names, _ = hf_state_names(LlamaForCausalLM, config)
+    with torch.device("meta"):
+        state = LlamaForCausalLM(config).state_dict()
+    generator = torch.Generator().manual_seed(seed)
+
+    def produce(name: str) -> torch.Tensor:
+        tensor = state[name]
+        if tensor.dim() == 1:
+            return torch.ones(tensor.shape, dtype=tensor.dtype)
+        return torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.02
+
+    directory.mkdir(parents=True)
+    config.save_pretrained(directory)
+    tensors = {name: (tuple(state[name].shape), state[name].dtype) for name in names}
+    write_safetensors(directory / "model.safetensors", tensors, produce, metadata={"format": "pt"})
+    return directory
+
+
+def pretrained_llama(root: Path, shape: Dict[str, int], depth: int) -> Path:
+    """
+    The pretrained directory of ``depth`` layers in ``root``: written once, for every
+    configuration that tries the same depth. One at a time: a search's trials try other depths.
+    """
+    directory = root / f"llama-{depth}"
+    if not (directory / "model.safetensors").is_file():
+        for other in root.glob("llama-*"):
+            shutil.rmtree(other, ignore_errors=True)
+        save_pretrained_llama(directory, shape, depth)
+    return directory
+
+
+def lora_experiment(
+    name: str, world_size: int, depth: int, args: argparse.Namespace, records: Path
+) -> Dict[str, Any]:
+    """:func:`experiment`'s config for a configuration of LORA_CONFIGS: the Llama of ``depth`` layers
+    fine-tuned from its files, in full or with LoRA, and exported."""
+    engine_options, lora, _ = LORA_CONFIGS[name]
+    # Beside the trials' run directories, in the scratch folder run_trial's are in (removed with it).
+    pretrained = pretrained_llama(records.parent.parent / "pretrained", args.shape, depth)
+    model: Dict[str, Any] = {
+        "type": "fairscale::from_pretrained",
+        "pretrained_model_name_or_path": str(pretrained),
+        "auto_class": "AutoModelForCausalLM",
+    }
+    if lora:
+        model = {"type": "fairscale::with_lora", "model": model, **LORA_OPTIONS}
+    config = experiment("fsdp", world_size, depth, args, records)
+    train = config["steps"]["train"]
+    train["model"] = {
+        "type": "fairscale::with_wrapped_modules",
+        "model": model,
+        "wrap_module_classes": [FAMILIES["llama"].unit],
+        "fsdp_config": {},
+    }
+    # export_hf: the whole model, or the adapter (peft's directory), written by worker 0 after weights.pt.
+    train["training_engine"].update({**engine_options, "init_on_meta": True, "export_hf": "hf"})
+    return config
+
+
+def lora_mode(args: argparse.Namespace, configs: List[str]) -> List[str]:
+    """
+    The settings of ``--lora``: the Llama family, the budget of the GPT-2 table unless one is given
+    (``auto`` calibrates on DDP, which the LoRA mode does not run), and every configuration of
+    LORA_CONFIGS unless ``--configs`` names some. Returns the configurations.
+    """
+    args.family = "llama"
+    if args.budget == "auto":
+        args.budget = "1600MiB"
+    return list(LORA_CONFIGS) if configs == list(CONFIGS) else configs
+
+
+def lora_first_model(
+    name: str, world_size: int, shape: Dict[str, int], learned: Dict[str, MemoryModel], fallback: MemoryModel
+) -> MemoryModel:
+    """
+    The memory model of a new search of the LoRA mode: this configuration's from another number of
+    workers; else, for LoRA, the main process's (its runtime, and 4 bytes per parameter: the step's
+    result), which caps it before any worker does; else the other backend's full fine-tune, or the
+    fallback.
+    """
+    if name in learned:
+        return learned[name]
+    if LORA_CONFIGS[name][1]:
+        block = FAMILIES["llama"].block_parameters(shape)
+        return MemoryModel(MAIN_RUNTIME_BYTES, 4.0 * block - STATE_BYTES[name] * block / world_size)
+    return learned.get("fsdp_full", fallback)
+
+
+def _trial_peaks(trial: Optional[Dict[str, Any]]) -> str:
+    """A trial's size and peaks: the workers training, worker 0 writing weights.pt and the export, main."""
+    if trial is None:
+        return "- | - | - | -"
+    return (
+        f"{millions(trial['parameters'])} ({trial['depth']} layers) "
+        f"| {mib(trial.get('training_vm_data_bytes'))} | {mib(trial.get('consolidation_vm_data_bytes'))} "
+        f"| {mib(trial.get('main_peak_vm_data_bytes'))}"
+    )
+
+
+def lora_markdown(data: Dict[str, Any]) -> str:
+    """The LoRA mode's report: the section of docs/capacity.md."""
+    settings, records, budget = data["settings"], data["records"], data["budget_bytes"]
+    shape, family = settings["shape"], FAMILIES["llama"]
+    by_key = {(r["config"], r["world_size"]): r for r in records}
+    lines = [
+        "## LoRA vs full fine-tuning",
+        "",
+        f"A pretrained-shaped {family.describe(shape)}, {family.block_parameters(shape) / 1e6:.2f} M "
+        "parameters per layer, written before each trial as a downloaded model is (`config.json`, "
+        "`model.safetensors`) and fine-tuned from those files by `fairscale::from_pretrained` "
+        "(one unit per `LlamaDecoderLayer`, `init_on_meta: true`), in full or with "
+        f"`fairscale::with_lora` (r={LORA_OPTIONS['r']} on {', '.join(LORA_OPTIONS['target_modules'])}: "
+        "the base frozen), the engine's `export_hf` writing the whole model or the adapter. Each trial "
+        f"is a `tango run` of {settings['steps']} AdamW steps at {settings['batch_size']} sequences per "
+        f"worker with one checkpoint, the whole run capped by `RLIMIT_DATA` at **{mib(budget)}** per "
+        "process (`ulimit -d` before `tango run`: the main process and every worker, start to exit, "
+        "`weights.pt`, the export and the cached step result included).",
+        "",
+        "Reproduce: `python benchmarks/run.py --capacity --lora"
+        + (" --quick" if settings["quick"] else "")
+        + f" --world-sizes {','.join(map(str, settings['world_sizes']))} --budget {budget}`",
+        "",
+        "| backend | workers | full fine-tuning trains | fails | LoRA trains | fails | LoRA / full "
+        "| trials |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ratios: Dict[Tuple[str, int], float] = {}
+    for world_size in settings["world_sizes"]:
+        for backend, full_name, lora_name in (
+            ("fairscale", "fsdp_full", "fsdp_lora"),
+            ("torch", "fsdp2_full", "fsdp2_lora"),
+        ):
+            full, lora = by_key.get((full_name, world_size)), by_key.get((lora_name, world_size))
+            if full is None and lora is None:
+                continue
+            cells = []
+            for record in (full, lora):
+                fit = record and record["fit"]
+                fail = record and record["fail"]
+                cells.append(f"{millions(fit['parameters'])} ({fit['depth']} layers)" if fit else "nothing")
+                cells.append(f"{millions(fail['parameters'])} ({fail['depth']} layers)" if fail else "-")
+            ratio = "-"
+            if full and lora and full["fit_parameters"] and lora["fit_parameters"]:
+                ratios[(backend, world_size)] = lora["fit_parameters"] / full["fit_parameters"]
+                ratio = f"{ratios[(backend, world_size)]:.2f} x"
+            trials = "+".join(str(len(r["trials"])) if r else "0" for r in (full, lora))
+            unresolved = "" if all(r and r["resolved"] for r in (full, lora)) else " (unresolved)"
+            lines.append(
+                f"| `{backend}` | {world_size} | {' | '.join(cells)} | {ratio} | {trials}{unresolved} |"
+            )
+    lines += [
+        "",
+        "Each process's sampled peak private memory (VmData, what the budget limits) in the largest "
+        "model that fits and the smallest that fails: the workers while training (the largest over "
+        "them), worker 0 writing `weights.pt` and the export after training, the main `tango` "
+        "process from start to exit (it builds the step's result, the whole trained model, and "
+        "caches it); and what failed in the one that fails.",
+        "",
+        "| config | workers | fits | training | weights.pt + export | main | fails | training "
+        "| weights.pt + export | main | failure |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in records:
+        fail = r["fail"]
+        error = (fail["error"] or "-") if fail else "-"
+        if fail and not fail["memory_error"]:
+            error = "**not a memory error**: " + error
+        lines.append(
+            f"| `{r['config']}` | {r['world_size']} | {_trial_peaks(r['fit'])} | {_trial_peaks(fail)} "
+            f"| {error.replace('|', '/')} |"
+        )
+    lines += ["", "| target | backend | workers | measured | |", "|---|---|---:|---:|---|"]
+    for world_size, minimum in LORA_TARGETS:
+        for backend in ("fairscale", "torch"):
+            if (backend, world_size) in ratios:
+                measured = ratios[(backend, world_size)]
+                verdict = "met" if measured >= minimum else "missed"
+                lines.append(
+                    f"| LoRA >= {minimum:.1f} x full | `{backend}` | {world_size} | {measured:.2f} x "
+                    f"| {verdict} |"
+                )
+    lines += ["", *[f"- `{name}`: {label}" for name, (_, _, label) in LORA_CONFIGS.items()], ""]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -861,6 +1336,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated worker counts, 2 or more")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of " + ", ".join(CONFIGS))
+    parser.add_argument(
+        "--family",
+        default="gpt2",
+        choices=sorted(FAMILIES),
+        help="the model family whose depth is searched (default gpt2)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="LoRA against full fine-tuning of a pretrained Llama, both backends (configs: "
+        + ", ".join(LORA_CONFIGS)
+        + "; default budget 1600MiB)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny width: trials of seconds (for tests)")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per trial (default 3)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per worker and step (default 2)")
@@ -897,16 +1385,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not sys.platform.startswith("linux"):
         parser.error("the budget is RLIMIT_DATA, which counts private memory on Linux only")
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    if args.lora:
+        configs = lora_mode(args, configs)
+    known = LORA_CONFIGS if args.lora else CONFIGS
+    unknown = sorted(set(configs) - set(known))
     if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+        parser.error(f"unknown configs {unknown}; choose from {sorted(known)}")
     world_sizes = sorted({int(x) for x in args.world_sizes.split(",") if x})
     if not world_sizes or world_sizes[0] < 2:
         parser.error("--world-sizes: 2 workers or more (FSDP needs 2)")
     if args.calibrate_parameters is None:
         args.calibrate_parameters = 1e6 if args.quick else 50e6
     args.budget_bytes = None if args.budget == "auto" else parse_bytes(args.budget)
-    args.shape = SHAPES["quick" if args.quick else "full"]
+    args.family = FAMILIES[args.family]
+    args.shape = args.family.shapes["quick" if args.quick else "full"]
 
     started = time.monotonic()
     data: Dict[str, Any] = {
@@ -917,8 +1409,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             "batch_size": args.batch_size,
             "world_sizes": world_sizes,
             "configs": configs,
+            "family": args.family.name,
+            "lora": LORA_OPTIONS if args.lora else None,
             "shape": args.shape,
-            "block_parameters": block_parameters(args.shape),
+            "block_parameters": args.family.block_parameters(args.shape),
             "limit": "RLIMIT_DATA on the tango run process and so every worker, from start to exit",
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         },
@@ -938,6 +1432,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def on_trial(search: Search, trial: Trial) -> None:
         verdict = f"trains, peak {mib(trial.peak_vm_data_bytes)}" if trial.fits else f"fails: {trial.error}"
+        if trial.fits and args.lora:
+            verdict += f" (workers), {mib(trial.main_peak_vm_data_bytes)} (main)"
         print(
             f"  depth {trial.depth} ({trial.parameters / 1e6:.1f} M): {verdict} ({trial.wall_s:.0f} s)",
             flush=True,
@@ -958,21 +1454,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                 flush=True,
             )
             calibrated = Search("ddp", 2, [Trial(**calibration["trial"])])
-            fallback = MemoryModel.learn(calibrated, args.shape, args.batch_size)
+            fallback = MemoryModel.learn(calibrated, args.family, args.shape, args.batch_size)
         else:
             fallback = None
         if fallback is None:
             # Without a calibration: a runtime of about 300 MiB, activations per block as estimated.
-            fallback = MemoryModel(300 * MIB, activation_bytes_per_block("ddp", args.shape, args.batch_size))
+            fallback = MemoryModel(
+                300 * MIB, activation_bytes_per_block("ddp", args.family, args.shape, args.batch_size)
+            )
         learned: Dict[str, MemoryModel] = {}
         for world_size in world_sizes:
             for name in configs:
                 print(f"{name} on {world_size} workers:", flush=True)
-                model = first_model(name, world_size, learned, fallback)
+                if args.lora:
+                    model = lora_first_model(name, world_size, args.shape, learned, fallback)
+                else:
+                    model = first_model(name, world_size, learned, fallback)
                 search = search_capacity(name, world_size, args, scratch, model, on_trial)
                 searches.append(search)
                 save()
-                found = MemoryModel.learn(search, args.shape, args.batch_size)
+                found = MemoryModel.learn(search, args.family, args.shape, args.batch_size)
                 if found is not None:
                     learned[name] = found
     finally:

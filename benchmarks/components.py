@@ -1,7 +1,8 @@
 """
 Tango components for the benchmarks: random token data, a measuring callback, and the engines
-and callback of the capacity benchmark (a per-worker memory budget). The model is the GPT-2 of
-``examples/train_gpt2`` (``"gpt2::from_config"``).
+and callback of the capacity benchmark (a per-worker memory budget), and the capacity benchmark's
+model families beside the GPT-2 of ``examples/train_gpt2`` (``"gpt2::from_config"``): a wide
+residual MLP (``"benchmark::residual_mlp"``) and a Llama (``"benchmark::llama"``).
 """
 
 import json
@@ -15,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 from tango import Step
 from tango.common.dataset_dict import DatasetDict
-from tango.integrations.torch import TorchTrainingEngine, TrainCallback, TrainingEngine
+from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
 
 from benchmarks.common import state_bytes
 from tango_fairscale.cpu.timing import COLLECTIVES, NAMES, CollectiveTotals
@@ -429,3 +430,91 @@ class LoadMemory(TrainCallback):
         (self.output_dir / f"load_memory_worker{self.train_config.worker_id}.json").write_text(
             json.dumps(record)
         )
+
+
+# The capacity benchmark's model families beside GPT-2 (benchmarks/capacity.py --family): each a
+# language model over random tokens (``benchmark::random_tokens``), so that every family trains
+# on the same data step and loss, with a depth of identical blocks, one FSDP unit per block.
+
+
+class ResidualMLPBlock(torch.nn.Module):
+    """``x + W2 GELU(W1 LayerNorm(x))``, ``W1``: ``width`` -> 4 ``width``: a transformer's MLP alone."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.down(torch.nn.functional.gelu(self.up(self.norm(hidden))))
+
+
+@Model.register("benchmark::residual_mlp")
+class ResidualMLP(Model):
+    """
+    A wide MLP of ``depth`` residual blocks (:class:`ResidualMLPBlock`) between a token embedding
+    and its tied output head, trained on next-token prediction: nearly all of its parameters are
+    in the blocks, whose flat parameter is 8 ``width`` ^ 2 floats (32 MiB at width 1024), and its
+    activations are a few MiB per block.
+    """
+
+    def __init__(self, vocab_size: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+        # GPT-2's scale: with Embedding's default (1.0) the tied head's logits grow with the width.
+        torch.nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList(ResidualMLPBlock(width) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        logits = self.head(self.norm(hidden))
+        # Position t predicts token t + 1, as the GPT-2 family's loss.
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+        )
+        return {"loss": loss}
+
+
+@Model.register("benchmark::llama")
+class LlamaLanguageModel(Model):
+    """
+    ``transformers``' ``LlamaForCausalLM`` built from a ``LlamaConfig`` of these fields (RMSNorm,
+    SiLU-gated MLP, rotary positions, grouped-query attention, the output head tied to the token
+    embedding), randomly initialised; ``num_hidden_layers`` ``LlamaDecoderLayer`` blocks. No
+    key-value cache: training never reads one.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_hidden_layers: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        max_position_embeddings: int,
+    ) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=True,
+            use_cache=False,
+        )
+        self.llama = LlamaForCausalLM(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"loss": self.llama(input_ids=input_ids, labels=labels).loss}

@@ -34,6 +34,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from . import checkpointing
 from .backends.lookup import DEFAULT_BACKEND, backend_class, check_written_by
 from .config import FSDPConfig
+from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
 from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine, _no_hf_model_error
 from .hf_export import hf_model_in
@@ -285,7 +286,9 @@ def check_model(
 
 def check_init_on_meta(model: Any) -> None:
     """Every parameter an ``init_on_meta`` build leaves unset, listed at once, before any worker starts."""
-    with parameters_on_meta():
+    # Its parameters are allocated on the CPU and moved to meta, the initialisers run on scratch
+    # tensors: none of it may stay in the main process's heap (META_BUILD_MMAP_THRESHOLD_BYTES).
+    with limit_cpu_heap_growth(META_BUILD_MMAP_THRESHOLD_BYTES), parameters_on_meta():
         built = model.construct()
     check_initialisable(built)
 

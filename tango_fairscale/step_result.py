@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from tango.common import Lazy
 
+from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
 from .materialize import has_meta_parameters, materialize_module, parameters_on_meta
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class FinalModelOnMeta(Lazy):
         try:
             # Not recorded: every parameter takes weights.pt's tensor, so replaying the
             # constructor's initialisation (an eager init's time) would be wasted.
-            with parameters_on_meta(record=False):
+            # Each parameter allocated on the CPU and moved to meta leaves no heap behind it.
+            with limit_cpu_heap_growth(META_BUILD_MMAP_THRESHOLD_BYTES), parameters_on_meta(record=False):
                 model = self.lazy.construct(**kwargs)
         except Exception as error:  # noqa: BLE001 - a model that needs real tensors to build
             logger.debug("The final model does not build on the meta device (%s): building it whole", error)

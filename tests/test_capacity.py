@@ -5,18 +5,21 @@ example's GPT-2 failing for memory under Tango's DDP engine and training with FS
 budget.
 """
 
+import argparse
 import json
 import resource
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
 from tango.workspaces import LocalWorkspace
 
 from benchmarks.capacity import (
+    FAMILIES,
+    GPT2,
     SHAPES,
     MemoryModel,
     Search,
@@ -24,6 +27,7 @@ from benchmarks.capacity import (
     failure_reason,
     model_parameters,
     next_depth,
+    run_trial,
     write_outputs,
 )
 from benchmarks.components import parse_bytes
@@ -98,7 +102,7 @@ def simulate(
     shape = SHAPES["full"]
     search = Search(name, 2)
     for _ in range(max_trials):
-        depth = next_depth(search, budget, model, shape)
+        depth = next_depth(search, budget, model, GPT2, shape)
         if depth is None:
             break
         fits = peak(depth) <= budget
@@ -145,6 +149,53 @@ def test_search_finds_the_boundary_in_few_trials(
     truth = max(d for d in range(1, 200) if peak(d) <= budget)
     assert search.resolved, [(t.depth, t.fits) for t in search.trials]
     assert search.largest_fit is not None and search.largest_fit.depth == truth
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("size", ["quick", "full"])
+def test_family_counts_its_model(family: str, size: str) -> None:
+    # What the search and the report count (parameters per depth) is the model the trials build,
+    # with one unit per block under the class name the wrap plan selects.
+    from tango.integrations.torch import Model
+
+    import benchmarks.components  # noqa: F401 - registers the families' models
+    import examples.train_gpt2.components  # noqa: F401 - GPT-2's
+
+    chosen = FAMILIES[family]
+    shape = chosen.shapes[size]
+    config = chosen.model(shape, 3)
+    with torch.device("meta"):
+        model = Model.by_name(config.pop("type"))(**config)  # type: ignore[operator]
+    blocks = [m for m in model.modules() if type(m).__name__ == chosen.unit]
+    assert len(blocks) == 3
+    assert sum(p.numel() for p in blocks[0].parameters()) == chosen.block_parameters(shape)
+    assert sum(p.numel() for p in model.parameters()) == chosen.model_parameters(shape, 3)
+    assert chosen.model_parameters(shape, 0) == chosen.fixed_parameters(shape)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", ["mlp", "llama"])
+def test_quick_trial_of_a_family(tmp_path: Path, family: str) -> None:
+    # One trial of the benchmark on the family's quick shape (a tango run of 2 workers, no limit):
+    # FairScale units of the family's blocks train, the records are read back, and the losses
+    # are DDP's (init_on_meta builds the eager model's values).
+    chosen = FAMILIES[family]
+    args = argparse.Namespace(
+        family=chosen,
+        shape=chosen.shapes["quick"],
+        batch_size=2,
+        steps=2,
+        trial_timeout=300,
+        budget_bytes=None,
+    )
+    trials = {name: run_trial(name, 2, 2, args, tmp_path, None) for name in ("ddp", "fsdp")}
+    for trial in trials.values():
+        assert trial.fits, trial.error
+        assert trial.parameters == chosen.model_parameters(args.shape, 2)
+        assert trial.peak_vm_data_bytes and trial.state_bytes
+    ddp, fsdp = trials["ddp"].losses, trials["fsdp"].losses
+    assert ddp is not None and fsdp is not None and len(ddp) == 2
+    assert fsdp == pytest.approx(ddp, rel=1e-5, abs=1e-6)
 
 
 def test_search_when_nothing_fits() -> None:
@@ -284,3 +335,139 @@ def test_example_fsdp_trains_in_the_same_budget(tmp_path: Path, engine: str) -> 
         assert record["limit_bytes"] == BUDGET_KIB * 1024
         assert record["peak_vm_data_bytes"] <= record["limit_bytes"]
         print(f"[{engine}] worker {worker}: peak VmData {record['peak_vm_data_bytes'] / 2**20:,.0f} MiB")
+
+
+# LoRA against full fine-tuning (benchmarks/capacity.py --lora): the trials' config and
+# pretrained files, the report, and one trial of the quick shape.
+
+
+def _lora_args(budget: Optional[int] = None) -> argparse.Namespace:
+    from benchmarks.capacity import FAMILIES as families
+
+    llama = families["llama"]
+    return argparse.Namespace(
+        family=llama,
+        shape=llama.shapes["quick"],
+        batch_size=2,
+        steps=2,
+        trial_timeout=300,
+        budget_bytes=budget,
+    )
+
+
+def test_lora_trial_config_and_its_pretrained_files(tmp_path: Path) -> None:
+    # A LoRA trial fine-tunes the files written before it, as a downloaded model, with adapters on
+    # q_proj and v_proj; a full one the same files; both under init_on_meta, exporting.
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.capacity import FAMILIES as families
+    from benchmarks.capacity import LORA_OPTIONS, experiment
+
+    args = _lora_args()
+    records = tmp_path / "run" / "records"
+    lora = experiment("fsdp_lora", 2, 3, args, records)["steps"]["train"]
+    full = experiment("fsdp2_full", 2, 3, args, records)["steps"]["train"]
+    assert lora["model"]["model"]["type"] == "fairscale::with_lora"
+    assert {k: lora["model"]["model"][k] for k in LORA_OPTIONS} == LORA_OPTIONS
+    pretrained = lora["model"]["model"]["model"]
+    assert full["model"]["model"] == pretrained and pretrained["type"] == "fairscale::from_pretrained"
+    assert lora["model"]["wrap_module_classes"] == ["LlamaDecoderLayer"]
+    for train, backend in ((lora, None), (full, "torch")):
+        engine = train["training_engine"]
+        assert engine["init_on_meta"] is True and engine["export_hf"] == "hf"
+        assert engine.get("backend") == backend
+    directory = Path(pretrained["pretrained_model_name_or_path"])
+    assert directory.parent == tmp_path / "pretrained"
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == families["llama"].model_parameters(args.shape, 3)
+    assert torch.equal(model.model.norm.weight, torch.ones(args.shape["hidden_size"]))
+    assert 0.015 < model.model.layers[2].mlp.up_proj.weight.std().item() < 0.025
+
+
+def test_lora_report_from_results(tmp_path: Path) -> None:
+    # The LoRA section from a results file (no runs): the ratio to full fine-tuning, the target,
+    # and each process's peaks in the largest that fits and the smallest that fails.
+    from benchmarks.capacity import FAMILIES as families
+
+    llama, shape = families["llama"], families["llama"].shapes["full"]
+
+    def trial(depth: int, main_mib: int, error: Optional[str] = None) -> Dict[str, object]:
+        return {
+            "depth": depth,
+            "parameters": llama.model_parameters(shape, depth),
+            "training_vm_data_bytes": 1200 * MIB,
+            "consolidation_vm_data_bytes": 1100 * MIB,
+            "main_peak_vm_data_bytes": main_mib * MIB,
+            "error": error,
+            "memory_error": error is not None,
+        }
+
+    def record(config: str, fit: int, fail: int) -> Dict[str, object]:
+        fits, fails = (
+            trial(fit, 1500),
+            trial(fail, 1590, "can't allocate 6.0 MiB (ENOMEM) in serialization.py:load"),
+        )
+        return {
+            "config": config,
+            "world_size": 2,
+            "resolved": True,
+            "fit": fits,
+            "fail": fails,
+            "fit_parameters": fits["parameters"],
+            "fail_parameters": fails["parameters"],
+            "trials": [fits, fails],
+        }
+
+    data = {
+        "environment": {"machine": "test"},
+        "settings": {
+            "quick": False,
+            "steps": 3,
+            "batch_size": 2,
+            "world_sizes": [2],
+            "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]},
+            "shape": shape,
+        },
+        "budget_bytes": 1600 * MIB,
+        "records": [record("fsdp_full", 16, 17), record("fsdp_lora", 49, 50)],
+    }
+
+    class Args:
+        json = tmp_path / "capacity-lora.json"
+        markdown = tmp_path / "capacity-lora.md"
+        chart = tmp_path / "capacity-lora.png"
+
+    text = write_outputs(data, Args)  # type: ignore[arg-type]
+    assert (
+        "Reproduce: `python benchmarks/run.py --capacity --lora --world-sizes 2 --budget 1677721600`" in text
+    )
+    assert "| `fairscale` | 2 | 100.9 M (16 layers) | 107.2 M (17 layers) | 308.6 M (49 layers) " in text
+    assert "| 3.06 x | 2+2 |" in text and "| LoRA >= 3.0 x full | `fairscale` | 2 | 3.06 x | met |" in text
+    assert (
+        "| `fsdp_lora` | 2 | 308.6 M (49 layers) | 1,200 MiB | 1,100 MiB | 1,500 MiB | 314.8 M (50 layers)"
+        in text
+    )
+    assert Args.markdown.read_text() == text and not Args.chart.exists()
+
+
+@pytest.mark.extended
+def test_quick_lora_trial_runs_and_records(tmp_path: Path) -> None:
+    # One LoRA trial of the quick shape under the benchmark's budget: it fits, with every
+    # process's peak recorded, and the search reads the largest of them.
+    from benchmarks.capacity import FAMILIES as families
+
+    args = _lora_args(budget=1600 * MIB)
+    trial = run_trial("fsdp_lora", 2, 2, args, tmp_path, None)
+    assert trial.fits, trial.error
+    assert trial.parameters == families["llama"].model_parameters(args.shape, 2)
+    peaks = [trial.training_vm_data_bytes, trial.consolidation_vm_data_bytes, trial.main_peak_vm_data_bytes]
+    assert all(peak and 100 * MIB < peak < 1600 * MIB for peak in peaks), peaks
+    assert trial.run_peak_vm_data_bytes == max(peaks)  # type: ignore[type-var]
+    assert trial.losses is not None and len(trial.losses) == 2
+    # Adapters only train: a few kB of AdamW state beside the frozen shard (parameters only).
+    assert trial.state_bytes is not None
+    frozen_shard = families["llama"].model_parameters(args.shape, 2) * 4 / 2
+    assert frozen_shard <= trial.state_bytes < frozen_shard * 1.2

@@ -13,6 +13,15 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 16 << 20
 #: The threshold for long-lived allocations (:func:`long_lived_allocations`).
 LONG_LIVED_MMAP_THRESHOLD_BYTES = 2 << 20
+#: The threshold while Tango's main process builds a model whose parameters go to ``meta`` (patch
+#: P1: the step's result, pre-flight's ``init_on_meta`` check): glibc's starting value. Each
+#: parameter is allocated on the CPU by its module's constructor (or as a recorded initialiser's
+#: scratch) and freed at once; under the dynamic threshold the process had reached (MiBs) it was
+#: freed into the heap, where the small objects built next split the holes, and VmData kept it:
+#: for a 202 M-parameter Llama (769 MiB of weights) the step's result's build left 680 MiB and
+#: pre-flight's check 500 MiB, which ``weights.pt``'s tensors did not reuse. A mapping of its own
+#: is unmapped when freed: 107 MiB were left.
+META_BUILD_MMAP_THRESHOLD_BYTES = 128 << 10
 
 
 #: What the threshold is set back to when the last :func:`limit_cpu_heap_growth` block ends, where
