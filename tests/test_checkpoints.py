@@ -80,8 +80,10 @@ def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
     return run
 
 
-#: The kill and rerun through the CLI, once per backend.
-@pytest.mark.parametrize("backend", BACKENDS)
+#: The kill and rerun through the CLI, once per backend: the torch backend's in the extended suite
+#: (make test's time), its kill and rerun being in make test in the test's own workers
+#: (test_resume_exact.py, test_lora_checkpoints.py).
+@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_sigkill_after_checkpoint_then_rerun_matches(
     backend: str, uninterrupted_runs: Callable[[str], Dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
