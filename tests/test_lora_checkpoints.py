@@ -174,3 +174,29 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_
     assert not (doomed.work_dir / "weights.pt").exists()
     with pytest.raises(Exception, match="changed since the checkpoint was saved"):
         consolidation.consolidate(doomed.work_dir / "checkpoint_state_step3")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_a_lora_checkpoint_resumes_on_another_number_of_workers(backend: str, tmp_path: Path) -> None:
+    # Only the adapters are in the checkpoint: 3 workers reshard them and read the base from the files.
+    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
+    two = experiment(pretrained, backend)
+    two["steps"]["train"].update(train_steps=4, checkpoint_every=2)
+    harness.train(two, tmp_path / "two")
+    three = experiment(pretrained, backend)
+    three["steps"]["train"].update(device_count=3, train_steps=6)
+    three["steps"]["train"]["training_engine"]["resume_from_checkpoint"] = str(
+        tmp_path / "two" / "checkpoint_state_step4"
+    )
+    result = harness.train(three, tmp_path / "three", world_size=3)
+    assert "from 2 to 3 workers" in result.logs
+    saved = torch.load(tmp_path / "two" / "weights.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "three" / "weights.pt", weights_only=True)
+    files = load_file(pretrained / "model.safetensors")
+    assert saved.keys() == resumed.keys()
+    for key in resumed:
+        if ".lora_" in key:
+            assert not torch.equal(resumed[key], saved[key]), key  # two more steps trained them
+        else:
+            assert torch.equal(resumed[key], _file_tensor(files, key)), key
