@@ -180,14 +180,7 @@ def test_quick_trial_of_a_family(tmp_path: Path, family: str) -> None:
     # FairScale units of the family's blocks train, the records are read back, and the losses
     # are DDP's (init_on_meta builds the eager model's values).
     chosen = FAMILIES[family]
-    args = argparse.Namespace(
-        family=chosen,
-        shape=chosen.shapes["quick"],
-        batch_size=2,
-        steps=2,
-        trial_timeout=300,
-        budget_bytes=None,
-    )
+    args = _quick_args(family)
     trials = {name: run_trial(name, 2, 2, args, tmp_path, None) for name in ("ddp", "fsdp")}
     for trial in trials.values():
         assert trial.fits, trial.error
@@ -341,13 +334,12 @@ def test_example_fsdp_trains_in_the_same_budget(tmp_path: Path, engine: str) -> 
 # pretrained files, the report, and one trial of the quick shape.
 
 
-def _lora_args(budget: Optional[int] = None) -> argparse.Namespace:
-    from benchmarks.capacity import FAMILIES as families
-
-    llama = families["llama"]
+def _quick_args(family: str, budget: Optional[int] = None) -> argparse.Namespace:
+    """The options of a trial of ``family``'s quick shape (2 sequences, 2 steps), as the CLI parses them."""
+    chosen = FAMILIES[family]
     return argparse.Namespace(
-        family=llama,
-        shape=llama.shapes["quick"],
+        family=chosen,
+        shape=chosen.shapes["quick"],
         batch_size=2,
         steps=2,
         trial_timeout=300,
@@ -363,7 +355,7 @@ def test_lora_trial_config_and_its_pretrained_files(tmp_path: Path) -> None:
     from benchmarks.capacity import FAMILIES as families
     from benchmarks.capacity import LORA_OPTIONS, experiment
 
-    args = _lora_args()
+    args = _quick_args("llama")
     records = tmp_path / "run" / "records"
     lora = experiment("fsdp_lora", 2, 3, args, records)["steps"]["train"]
     full = experiment("fsdp2_full", 2, 3, args, records)["steps"]["train"]
@@ -459,7 +451,7 @@ def test_quick_lora_trial_runs_and_records(tmp_path: Path) -> None:
     # process's peak recorded, and the search reads the largest of them.
     from benchmarks.capacity import FAMILIES as families
 
-    args = _lora_args(budget=1600 * MIB)
+    args = _quick_args("llama", budget=1600 * MIB)
     trial = run_trial("fsdp_lora", 2, 2, args, tmp_path, None)
     assert trial.fits, trial.error
     assert trial.parameters == families["llama"].model_parameters(args.shape, 2)
