@@ -1,9 +1,12 @@
 """
 The GPU mode of the benchmarks: this plugin's engine on one GPU (NCCL, world size 1) training a
 GPT-2 of about 350 M parameters (GPT-2 medium's shape) in float32, with AMP (float16 autocast
-and FairScale's ShardedGradScaler), and with AMP plus FSDP ``mixed_precision`` (parameters
-gathered and computed in float16, float32 master copies). Per configuration: peak CUDA memory,
-median step time, tokens per second and model FLOPs utilisation (MFU).
+and FairScale's ShardedGradScaler), with AMP plus FSDP ``mixed_precision`` (parameters
+gathered and computed in float16, float32 master copies), the same in bfloat16, and the torch
+backend (FSDP2) in float32 and bfloat16 mixed precision; and, as baselines, the same model and
+steps without the engine (``plain_*``: a plain module, torch's autocast and GradScaler). Per
+configuration: peak CUDA memory, median step time, tokens per second and model FLOPs utilisation
+(MFU).
 
     python benchmarks/run.py --gpu [--quick] [--json PATH] [--markdown PATH] [--peak-tflops N]
 
@@ -15,6 +18,7 @@ only ``fp32`` applies: the test suite uses it to check the harness without a GPU
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,10 +40,73 @@ CONFIGS: Dict[str, Any] = {
     "fp32": ({}, {}),
     "amp": ({"amp": True, "amp_use_bfloat16": False}, {}),
     "amp_mixed_precision": ({"amp": True, "amp_use_bfloat16": False}, {"mixed_precision": True}),
+    "bf16_mixed_precision": (
+        {"amp": True, "amp_use_bfloat16": True},
+        {"mixed_precision": True, "compute_dtype": "bfloat16"},
+    ),
+    # The same model under the torch backend (FSDP2's fully_shard per block).
+    "torch_fp32": ({"backend": "torch"}, {}),
+    "torch_bf16_mixed_precision": (
+        {"backend": "torch", "amp": True, "amp_use_bfloat16": True},
+        {"mixed_precision": True, "compute_dtype": "bfloat16"},
+    ),
+    # The baselines: the same model and steps without the engine, FSDP or a process group (a plain
+    # module, torch's autocast and GradScaler), against which the engine's overhead is read.
+    "plain_fp32": ({"plain": True}, {}),
+    "plain_amp": ({"plain": True, "amp": True, "amp_use_bfloat16": False}, {}),
+    "plain_bf16": ({"plain": True, "amp": True, "amp_use_bfloat16": True}, {}),
 }
 
 #: The compute dtype of each configuration's matmuls, whose peak its MFU is against.
-DTYPES = {"fp32": "float32", "amp": "float16", "amp_mixed_precision": "float16"}
+DTYPES = {
+    "fp32": "float32",
+    "amp": "float16",
+    "amp_mixed_precision": "float16",
+    "bf16_mixed_precision": "bfloat16",
+    "torch_fp32": "float32",
+    "torch_bf16_mixed_precision": "bfloat16",
+    "plain_fp32": "float32",
+    "plain_amp": "float16",
+    "plain_bf16": "bfloat16",
+}
+
+
+class PlainTraining:
+    """
+    A ``plain_*`` configuration's training: the engine's ``forward_train``/``backward``/``step``
+    on a plain module, with torch's autocast and (float16) GradScaler, and no process group.
+    """
+
+    def __init__(self, model: Any, device: str, amp: bool = False, amp_use_bfloat16: bool = False) -> None:
+        import torch
+
+        self.device = device
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.amp_dtype = (torch.bfloat16 if amp_use_bfloat16 else torch.float16) if amp else None
+        use_scaler = amp and not amp_use_bfloat16
+        self.grad_scaler = torch.amp.GradScaler(device) if use_scaler else None
+
+    def forward_train(self, batch: Dict[str, Any], *_: Any) -> Any:
+        import torch
+
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        with torch.autocast(
+            self.device, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+        ):
+            outputs = self.model(**batch)
+        return outputs["loss"], outputs
+
+    def backward(self, loss: Any) -> None:
+        (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
+
+    def step(self) -> None:
+        if self.grad_scaler is None:
+            self.optimizer.step()
+        else:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def peak_tflops_for(device_name: str, dtype: str = "float16", tf32: bool = False) -> Optional[float]:
@@ -117,14 +184,21 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         )
 
     torch.manual_seed(0)
-    engine = FairScaleTrainingEngine(
-        train_config,
-        Lazy(build, constructor_extras={}),  # type: ignore[arg-type]
-        Lazy(Optimizer.by_name("torch::AdamW"), params={"lr": 1e-4}),  # type: ignore[arg-type]
-        fsdp_config=FSDPConfig(**fsdp_options),
-        init_on_meta=True,
-        **engine_options,
-    )
+    engine: Any
+    if engine_options.get("plain"):
+        with torch.device("cuda" if cuda else "cpu"):
+            model = GPT2LanguageModel(dropout=0.0, **model_shape)
+        options = {key: value for key, value in engine_options.items() if key != "plain"}
+        engine = PlainTraining(model, "cuda" if cuda else "cpu", **options)
+    else:
+        engine = FairScaleTrainingEngine(
+            train_config,
+            Lazy(build, constructor_extras={}),  # type: ignore[arg-type]
+            Lazy(Optimizer.by_name("torch::AdamW"), constructor_extras={"lr": 1e-4}),  # type: ignore[arg-type]
+            fsdp_config=FSDPConfig(**fsdp_options),
+            init_on_meta=True,
+            **engine_options,
+        )
     sequence_length = model_shape["n_positions"]
     peak = settings.get("peak_tflops")
     if peak is None and not cuda:
@@ -162,8 +236,8 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
     )
     record: Dict[str, Any] = {
         "config": name,
-        "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "backend": dist.get_backend() if dist.is_initialized() else "none",
         "parameters": sum(p.numel() for p in engine.model.parameters()),
         "matmul_parameters": matmul_params,
         "state_bytes": state_bytes(engine),
@@ -183,7 +257,8 @@ def measure(name: str, settings: Dict[str, Any]) -> Dict[str, Any]:
         import resource
 
         record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return record
 
 
@@ -206,7 +281,11 @@ def environment(device: str) -> Dict[str, Any]:
 
 
 def markdown(
-    records: List[Dict[str, Any]], skipped: Dict[str, str], env: Dict[str, Any], settings: Dict[str, Any]
+    records: List[Dict[str, Any]],
+    skipped: Dict[str, str],
+    env: Dict[str, Any],
+    settings: Dict[str, Any],
+    failed: Optional[Dict[str, str]] = None,
 ) -> str:
     shape = MODELS["quick" if settings["quick"] else "full"]
     parameters = records[0]["parameters"] if records else 0
@@ -225,7 +304,9 @@ def markdown(
         "",
         f"GPT-2 ({parameters / 1e6:.1f} M parameters; {shape['n_layer']} layers, width {shape['n_embd']}), "
         f"sequence length {shape['n_positions']}, batch {settings['batch_size']}, AdamW, this plugin's "
-        f"engine on world size 1 ({records[0]['backend'] if records else '?'}), one FSDP unit per block, "
+        f"engine on world size 1 ({records[0]['backend'] if records else '?'}), one FSDP unit per block "
+        "(`plain_*`: the same model and steps without the engine, FSDP or a process group: torch's "
+        "autocast and GradScaler on a plain module), "
         f"{settings['steps']} steps, median step time after {settings['warmup']} warm-up steps. MFU is "
         "model FLOPs (6 N + 12 L d T per token, N the parameters in matrix multiplies) per second over "
         f"{against}. Ratios are to `fp32`.",
@@ -254,6 +335,8 @@ def markdown(
         )
     for name, why in skipped.items():
         lines.append(f"| `{name}` | skipped: {why} | | | | | | | |")
+    for name, why in (failed or {}).items():
+        lines.append(f"| `{name}` | FAILED: {why.replace('|', '/')} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -283,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
     }
     records: List[Dict[str, Any]] = []
     skipped: Dict[str, str] = {}
+    failed: Dict[str, str] = {}
     names = [c for c in args.configs.split(",") if c] if args.configs else list(CONFIGS)
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
@@ -290,8 +374,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     for index, name in enumerate(names, 1):
         if device == "cpu" and CONFIGS[name][0].get("amp"):
-            # float16 autocast with loss scaling is CUDA-only; the engine refuses it on CPU.
-            skipped[name] = "float16 AMP needs CUDA"
+            # float16 autocast with loss scaling is CUDA-only (the engine refuses it on CPU); the
+            # bfloat16 ones would run, but a CPU worker's bfloat16 says nothing of a GPU's.
+            skipped[name] = "float16 AMP needs CUDA" if DTYPES[name] == "float16" else "measured on CUDA only"
             continue
         print(f"[{index}/{len(names)}] {name} ...", end=" ", flush=True)
         one = {**settings, "port": free_port()}
@@ -313,17 +398,32 @@ def main(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"GPU config {name} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+            # Reported, and the other configurations still run: a GPU machine's time is scarce.
+            print("failed", flush=True)
+            print(
+                f"GPU config {name} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}",
+                file=sys.stderr,
+            )
+            lines = [line.removeprefix("[rank0]: ") for line in result.stderr.strip().splitlines()]
+            errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+            failed[name] = (errors or lines or ["no output"])[-1]
+            continue
         record = json.loads(result.stdout.strip().splitlines()[-1])
         records.append(record)
         print(f"{record['tokens_per_s']:,.0f} tokens/s, step {record['step_time_s']:.3f} s", flush=True)
     env_info = environment(device)
-    text = markdown(records, skipped, env_info, settings)
+    text = markdown(records, skipped, env_info, settings, failed)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
             json.dumps(
-                {"environment": env_info, "settings": settings, "records": records, "skipped": skipped},
+                {
+                    "environment": env_info,
+                    "settings": settings,
+                    "records": records,
+                    "skipped": skipped,
+                    "failed": failed,
+                },
                 indent=2,
             )
         )
@@ -332,6 +432,9 @@ def main(args: argparse.Namespace) -> int:
         args.markdown.write_text(text)
     print()
     print(text)
+    if failed:
+        print(f"error: {len(failed)} GPU configuration(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

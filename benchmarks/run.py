@@ -561,7 +561,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="comma-separated subset of: "
         + ", ".join(CONFIGS)
-        + " (with --gpu: fp32, amp, amp_mixed_precision)",
+        + " (with --gpu: fp32, amp, amp_mixed_precision, bf16_mixed_precision, torch_fp32, "
+        "torch_bf16_mixed_precision)",
     )
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
@@ -590,13 +591,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu.add_argument(
         "--gpu",
         action="store_true",
-        help="fp32 vs AMP vs AMP + mixed_precision on one GPU: peak CUDA memory, tokens/s, MFU",
+        help="fp32, AMP and mixed precision (float16, bfloat16) with either backend on one GPU: peak CUDA "
+        "memory, tokens/s, MFU",
     )
     gpu.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default="cuda",
-        help="with --gpu: cpu runs the same harness (fp32 only) to check it without a GPU",
+        help="with --gpu: cpu runs the same harness (the float32 configurations) to check it without a GPU",
     )
     gpu.add_argument(
         "--peak-tflops",

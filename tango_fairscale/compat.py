@@ -10,8 +10,8 @@ there, and refuses with an error naming both otherwise:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
-  frozen and trainable parameters in one unit (F7), a stopped step told once (T6) and the warning
-  filters (W1-W3).
+  frozen and trainable parameters in one unit (F7), a single worker's mixed-precision gradients
+  (F10), a stopped step told once (T6) and the warning filters (W1-W3).
 - :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -245,6 +245,34 @@ def _install_flat_groups() -> None:
         FullyShardedDataParallel._wait_for_post_backward = wait_then_release_frozen  # type: ignore[method-assign]
 
 
+# --- F10: a single worker's mixed-precision gradients ---------------------------------------------
+
+
+def _cast_unsharded_grad_then(hook: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def cast_then_hook(self: Any, param: Any, reduced_grad: torch.Tensor) -> None:
+        grad = param.grad
+        if self.mixed_precision and not param._is_sharded and grad is not None and grad.dtype != param.dtype:
+            # World size 1: FairScale hands this hook ``param.grad.data``, a fresh alias, so the
+            # hook's cast to float32 replaces the alias's data and never reaches ``param.grad``,
+            # which the optimizer then meets in float16/bfloat16 beside its float32 parameter.
+            param.grad.data = grad.data.to(param.dtype)
+            reduced_grad = param.grad.data
+        hook(self, param, reduced_grad)
+
+    cast_then_hook.__tango_fairscale_patch__ = "F10"  # type: ignore[attr-defined]
+    return cast_then_hook
+
+
+def _install_unsharded_grad_cast() -> None:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    _require_attributes(FullyShardedDataParallel, ("_post_reduction_hook",), "F10")
+    hook = FullyShardedDataParallel._post_reduction_hook
+    if getattr(hook, "__tango_fairscale_patch__", None) != "F10":
+        FullyShardedDataParallel._post_reduction_hook = _cast_unsharded_grad_then(hook)  # type: ignore[method-assign]
+
+
 # --- T1, T2: Tango's torch::train step and its workers ----------------------------------------------
 
 #: What the rebound step and worker functions call: the step's logic, plain code that
@@ -326,7 +354,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T3, T6, F5-F7, W1-W3), once; ``import
+    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W3), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -341,6 +369,7 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
         _install_checkpoint_autocast()
         _install_root_input_cast()
         _install_flat_groups()
+        _install_unsharded_grad_cast()
         _wrap_train_step()
         _quiet_integration_search()
         silence_internal_warnings()

@@ -72,3 +72,70 @@ def test_fsdp_mixed_precision_with_amp_trains_layernorm_model(tmp_path: Path) ->
     weights = torch.load(tmp_path / "work" / "weights.pt", weights_only=True)
     # The master weights stay float32; only the gathered copies were bfloat16.
     assert all(tensor.dtype.is_floating_point and tensor.element_size() == 4 for tensor in weights.values())
+
+
+def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gradients(
+    tmp_path: Path,
+) -> None:
+    # With one worker FairScale does not shard, and its cast of the gradients to float32 never
+    # reached them (F10): AdamW then failed on a bfloat16 gradient beside a float32 parameter.
+    # Reference: the same mixed precision by hand, bfloat16 copies computing gradients that AdamW
+    # applies to float32 master weights.
+    import torch.distributed as dist
+    from tango.common import Lazy
+    from tango.integrations.torch import Optimizer, TrainConfig
+
+    from examples.toy.components import ToyRegressor
+    from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
+    from tango_fairscale.teardown import close_process_groups
+    from tests.helpers import free_port
+
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {"x": torch.randn(16, 8, generator=generator), "y": torch.randn(16, generator=generator)}
+        for _ in range(4)
+    ]
+
+    def toy() -> ToyRegressor:
+        torch.manual_seed(0)
+        return ToyRegressor(in_features=8, width=32, num_blocks=2)
+
+    master = toy()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    expected = []
+    for batch in data:
+        copy = toy().to(torch.bfloat16)
+        copy.load_state_dict(master.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = copy(x=batch["x"].to(torch.bfloat16), y=batch["y"].to(torch.bfloat16))["loss"]
+        loss.backward()
+        for parameter, low in zip(master.parameters(), copy.parameters()):
+            assert low.grad is not None
+            parameter.grad = low.grad.float()
+        optimizer.step()
+        expected.append(loss.item())
+
+    config = TrainConfig(
+        "one-worker", tmp_path, is_distributed=True, devices=[-1], world_size=1, distributed_port=free_port()
+    )
+    mixed = FSDPConfig(mixed_precision=True, compute_dtype="bfloat16")
+    try:
+        engine = FairScaleTrainingEngine(
+            config,
+            Lazy(toy, constructor_extras={}),  # type: ignore[arg-type]
+            Lazy(Optimizer.by_name("torch::AdamW"), constructor_extras={"lr": 1e-2}),  # type: ignore[arg-type]
+            amp=True,
+            amp_use_bfloat16=True,
+            fsdp_config=mixed,
+        )
+        losses = []
+        for batch in data:
+            loss, _ = engine.forward_train(batch, 0, 1)
+            engine.backward(loss)
+            assert {p.grad.dtype for p in engine.model.parameters() if p.grad is not None} == {torch.float32}
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        if dist.is_initialized():
+            close_process_groups()
+    assert losses == expected

@@ -161,6 +161,8 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
         "--device",
         "cpu",
         "--quick",
+        "--configs",
+        "fp32,amp,amp_mixed_precision",
         "--peak-tflops",
         "1.5",
         "--json",
