@@ -3,10 +3,13 @@ What the fairscale backend holds in a backward pass on CPU workers, and the same
 it: F8 frees a unit's gathered parameters before autograd assembles their flat gradient, not
 after (DDP's losses, one unit's gathered size less at the peak of a backward pass); F9 fills
 FairScale's reduce-scatter bucket without a stacked copy of each gradient (the same sums, the
-copy's size less).
+copy's size less); F7's hooks that release a LoRA unit's frozen parameters in backward are removed
+after it, so that no step's autograd graph outlives it.
 """
 
+import gc
 from pathlib import Path
+from types import FunctionType
 from typing import Any, Dict, List
 
 import pytest
@@ -19,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tango_fairscale.backends.fairscale_fsdp.flat_groups import FlattenTrainableApart
 from tests import harness
-from tests.helpers import train_config
+from tests.helpers import TINY_LLAMA, save_tiny_llama, train_config
 
 WIDTH, BLOCKS, STEPS = 1024, 3, 3
 #: One unit's flat parameter, gathered: the block's Linear (WIDTH^2 + WIDTH) and LayerNorm (2 WIDTH).
@@ -168,3 +171,83 @@ def test_the_bucket_is_filled_without_a_stacked_copy(tmp_path: Path) -> None:
         print(f"worker {rank}: peak of a bucketed call {fairscale['peak']} -> {f9['peak']} bytes")
         assert fairscale["peak"] >= 2 * chunk * 4
         assert f9["peak"] == 0
+
+
+#: What ``torch.autograd.graph.register_multi_grad_hook`` registers on each tensor (F7's hook).
+MULTI_GRAD_HOOK = "register_multi_grad_hook.<locals>.get_inner_hook.<locals>.inner_hook"
+LORA_LAYERS, LORA_STEPS = 4, 4
+
+
+def lora_experiment(pretrained: Path) -> Dict[str, Any]:
+    """A tiny Llama fine-tuned with LoRA, one unit per decoder layer: each a frozen base and adapters."""
+    model = {
+        "type": "fairscale::with_lora",
+        "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(pretrained)},
+        "r": 4,
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    wrapped = {
+        "type": "fairscale::with_wrapped_modules",
+        "model": model,
+        "wrap_module_classes": ["LlamaDecoderLayer"],
+        "fsdp_config": {},
+    }
+    config = train_config(model=wrapped, callbacks=[])
+    config["steps"]["data"] = {"type": "test::lm_data", "vocab_size": TINY_LLAMA["vocab_size"], "length": 16}
+    return config
+
+
+def live_multi_grad_hooks() -> int:
+    """How many multi-grad hooks exist, garbage that the cyclic collector has not freed yet included."""
+    return sum(isinstance(o, FunctionType) and o.__qualname__ == MULTI_GRAD_HOOK for o in gc.get_objects())
+
+
+def train_lora(worker: harness.Worker, pretrained: str, work_dir: str) -> Dict[str, Any]:
+    config = lora_experiment(Path(pretrained))
+    engine = worker.engine(config, Path(work_dir))
+    batches = worker.batches(config)
+    units = [m for m in engine.model.modules() if isinstance(m, FlattenTrainableApart)]
+    hooks: List[int] = []
+    gathered_frozen: List[int] = []
+    gc.collect()
+    before = live_multi_grad_hooks()
+    # What reference counting frees, not the cyclic collector, whose full collections come when
+    # they come (rarely, in a training loop that allocates few Python objects).
+    gc.disable()
+    try:
+        for _ in range(LORA_STEPS):
+            harness.Worker.train(engine, batches, 1)
+            hooks.append(live_multi_grad_hooks() - before)
+            # F7 still released every frozen flat parameter: none is left gathered.
+            gathered_frozen.append(
+                sum(
+                    p._full_param_padded.untyped_storage().size()
+                    for m in engine.model.modules()
+                    if hasattr(m, "_use_fp32_param_shard")
+                    for p in m.params
+                    if not p.requires_grad and hasattr(p, "_full_param_padded")
+                )
+            )
+    finally:
+        gc.enable()
+    return {"units": len(units), "hooks": hooks, "gathered_frozen": gathered_frozen}
+
+
+def test_no_frozen_release_hook_outlives_its_backward(tmp_path: Path) -> None:
+    """
+    F7 releases a unit's frozen parameters from a multi-grad hook on the unit's inputs. torch's
+    hook holds the inputs' autograd nodes, which hold the hook: left registered, each step's
+    graph stayed alive, measured on a Llama of width 768 (8 layers, 2 workers) as 0.05 MiB more
+    heap in use per unit and step and the heap growing 12.5 MiB a step around it. The hooks are
+    removed at the end of backward; here none is alive after any step.
+    """
+    pretrained = save_tiny_llama(tmp_path / "llama", {**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
+    (result,) = harness.run(
+        [harness.Call(train_lora, (str(pretrained), str(tmp_path / "work")))], out=tmp_path / "out"
+    )
+    for rank, value in enumerate(result.check().values):
+        print(f"worker {rank}: multi-grad hooks alive after each step {value['hooks']}")
+        # The root unit and every decoder layer mix frozen and trainable parameters.
+        assert value["units"] == LORA_LAYERS + 1
+        assert value["hooks"] == [0] * LORA_STEPS
+        assert value["gathered_frozen"] == [0] * LORA_STEPS

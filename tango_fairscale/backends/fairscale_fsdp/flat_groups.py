@@ -145,6 +145,11 @@ def _release_when_last(unit: Any, flat: nn.Parameter) -> Any:
     return prehook
 
 
+#: The attribute on a unit: the handles of the hooks that release its frozen parameters in this
+#: backward (:func:`release_frozen_after_backward`), removed at its end.
+_RELEASE_HOOKS = "_tango_fairscale_frozen_release_hooks"
+
+
 def _frozen(unit: Any) -> List[nn.Parameter]:
     return [p for p in unit.params if not p.requires_grad]
 
@@ -176,18 +181,33 @@ def release_frozen_after_backward(unit: Any, args: Any, kwargs: Any) -> None:
     ones, instead of all at the end of backward. PyTorch's FSDP resharded its frozen flat
     parameters the same way (a multi-grad hook on the unit's inputs). A unit whose inputs need no
     gradient (the first one) is released at the end of backward (:func:`release_all_frozen`).
+
+    The hook is removed at the end of backward (:func:`release_all_frozen`): torch's multi-grad
+    hook holds the inputs' autograd nodes, which hold the hook, so a hook left registered kept its
+    step's graph (the nodes of every earlier unit) alive until Python's cyclic collector ran a full
+    collection, which a training loop, making few Python objects, seldom starts. Measured on a
+    LoRA Llama of width 768 with 2 CPU workers: the heap in use grew 0.05 MiB per unit and step,
+    and the step's buffers, placed past that garbage, grew the heap (VmData) 12.5 MiB a step with
+    8 units and 20 to 60 MiB with 16; with the hooks removed it stops growing after step 2.
     """
     if not torch.is_grad_enabled() or not _frozen(unit):
         return
     inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     if inputs:
-        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: release_frozen(unit))
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: release_frozen(unit))
+        handles: Optional[List[Any]] = getattr(unit, _RELEASE_HOOKS, None)
+        if handles is None:
+            handles = []
+            setattr(unit, _RELEASE_HOOKS, handles)
+        handles.append(handle)
 
 
 def release_all_frozen(root: Any) -> None:
     """
     At the end of backward (on the root unit): every unit's frozen parameters released, and the
     count of view gradients to come (F8) cleared, of forwards whose graph no backward ran through.
+    The hooks :func:`release_frozen_after_backward` registered are removed (they have run, or
+    their forward's graph had no backward), so that nothing holds their graphs.
     """
     for module in root.modules():
         if hasattr(module, "params") and hasattr(module, "_use_fp32_param_shard"):
@@ -195,6 +215,10 @@ def release_all_frozen(root: Any) -> None:
             for param in module.params:
                 if hasattr(param, _PENDING):
                     setattr(param, _PENDING, 0)
+            for handle in getattr(module, _RELEASE_HOOKS, None) or []:
+                handle.remove()
+            if hasattr(module, _RELEASE_HOOKS):
+                setattr(module, _RELEASE_HOOKS, [])
 
 
 def _tensors(value: Any) -> Iterator[Any]:
