@@ -11,7 +11,7 @@ there, and refuses with an error naming both otherwise:
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
   frozen and trainable parameters in one unit (F7), a single worker's mixed-precision gradients
-  (F10), a stopped step told once (T6) and the warning filters (W1-W3).
+  (F10), a stopped step told once (T6) and the warning filters (W1-W4).
 - :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -354,7 +354,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W3), once; ``import
+    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W4), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -757,6 +757,15 @@ def silence_internal_warnings() -> None:
         message="None of the inputs have requires_grad=True",
         category=UserWarning,
         module=r"fairscale\.nn\.checkpoint\.checkpoint_activations",
+    )
+    # W4: FairScale's ShardedGradScaler (float16 AMP on GPUs) subclasses torch.cuda.amp.GradScaler,
+    # whose constructor torch deprecated for torch.amp.GradScaler("cuda"): a FutureWarning in every
+    # worker of every float16 run (seen on the first GPU run), about FairScale's code.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.cuda\.amp\.GradScaler\(args\.\.\.\)` is deprecated",
+        category=FutureWarning,
+        module=r"fairscale\.optim\.grad_scaler",
     )
     # W3: Tango imports pkg_resources to record the installed packages of every step it runs, and
     # setuptools warns that the module is deprecated: one line in every run, about Tango's code.

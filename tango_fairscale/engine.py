@@ -485,12 +485,18 @@ def _start_process_group(config: TrainConfig, on_cpu: bool, collective_timeout: 
     What Tango's engine does, with a timeout: Tango starts the process group with none, so a
     collective waits 30 minutes for a worker that hangs or a host that vanished.
     """
+    device: Optional[torch.device] = None
     if not on_cpu:
-        torch.cuda.set_device(config.worker_local_default_device)
+        device = torch.device(config.worker_local_default_device)
+        torch.cuda.set_device(device)
     dist.init_process_group(
         backend="gloo" if on_cpu else "nccl",
         init_method=f"tcp://{config.distributed_address}:{config.distributed_port}",
         world_size=config.world_size,
         rank=config.worker_id,
         timeout=timedelta(seconds=collective_timeout),
+        # NCCL's communicators bound to this worker's GPU: without it NCCL guesses the device from
+        # the global rank ("can cause a hang if rank to GPU mapping is heterogeneous"), warned in
+        # every worker of the first GPU run.
+        device_id=device,
     )

@@ -55,3 +55,23 @@ def test_a_causal_lm_is_given_the_loss_transformers_would_fall_back_to() -> None
         assert [m for m in records.messages if "loss_type=None" in m], records.messages
     finally:
         hf_logger.removeHandler(records)
+
+
+def test_fairscales_grad_scaler_deprecation_is_silenced_only_there() -> None:
+    # W4: FairScale's ShardedGradScaler subclasses torch.cuda.amp.GradScaler, whose constructor
+    # torch deprecated: a FutureWarning in every worker of a float16 run, about FairScale's code.
+    import warnings
+
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+
+    from tango_fairscale import compat
+
+    deprecated = "torch.cuda.amp.GradScaler(args...)` is deprecated"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.silence_internal_warnings()  # ahead of "always", as install() left them
+        ShardedGradScaler(enabled=False)
+        assert not [w for w in caught if deprecated in str(w.message)], [str(w.message) for w in caught]
+        # The same warning raised from anywhere else is still shown.
+        torch.cuda.amp.GradScaler(enabled=False)
+        assert [w for w in caught if deprecated in str(w.message)]
