@@ -12,7 +12,8 @@ configuration: peak CUDA memory, median step time, tokens per second and model F
 
 Each configuration runs in a fresh process, so that the CUDA memory high-water mark and the
 process group are its own. ``--device cpu`` runs the same harness on a CPU worker (gloo), where
-only ``fp32`` applies: the test suite uses it to check the harness without a GPU.
+the float32 configurations apply (``fp32``, ``torch_fp32``, ``plain_fp32``): the test suite uses it
+to check the harness without a GPU.
 """
 
 import argparse
@@ -87,15 +88,18 @@ class PlainTraining:
         use_scaler = amp and not amp_use_bfloat16
         self.grad_scaler = torch.amp.GradScaler(device) if use_scaler else None
 
-    def forward_train(self, batch: Dict[str, Any], *_: Any) -> Any:
+    def forward_train(self, batch: Dict[str, Any], micro_batch_idx: int, num_micro_batches: int) -> Any:
         import torch
 
+        # Where Tango's engine clears the gradients: the last step's stay until the next one.
+        if micro_batch_idx == 0:
+            self.optimizer.zero_grad(set_to_none=True)
         batch = {key: value.to(self.device) for key, value in batch.items()}
         with torch.autocast(
             self.device, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
         ):
             outputs = self.model(**batch)
-        return outputs["loss"], outputs
+        return outputs["loss"] / num_micro_batches, outputs
 
     def backward(self, loss: Any) -> None:
         (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
@@ -106,7 +110,6 @@ class PlainTraining:
         else:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
 
 
 def peak_tflops_for(device_name: str, dtype: str = "float16", tf32: bool = False) -> Optional[float]:

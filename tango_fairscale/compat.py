@@ -252,7 +252,15 @@ def _cast_unsharded_grad_then(hook: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(hook)
     def cast_then_hook(self: Any, param: Any, reduced_grad: torch.Tensor) -> None:
         grad = param.grad
-        if self.mixed_precision and not param._is_sharded and grad is not None and grad.dtype != param.dtype:
+        if (
+            self.mixed_precision
+            and not param._is_sharded
+            # Offloaded gradients reach the optimizer through FairScale's float32 ``_cpu_grad``,
+            # which the hook fills from its cast: a float32 copy here would only hold GPU memory.
+            and not self.move_grads_to_cpu
+            and grad is not None
+            and grad.dtype != param.dtype
+        ):
             # World size 1: FairScale hands this hook ``param.grad.data``, a fresh alias, so the
             # hook's cast to float32 replaces the alias's data and never reaches ``param.grad``,
             # which the optimizer then meets in float16/bfloat16 beside its float32 parameter.

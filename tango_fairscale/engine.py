@@ -123,7 +123,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         instead of once per micro-batch: 1/``grad_accum`` of the gradient traffic. Costs memory:
         until the last micro-batch each worker holds full-size (unsharded) gradients of the whole
         model, as DDP does, instead of its shard of them. The result is the same up to the order
-        of floating-point summation.
+        of floating-point summation. With one worker there is nothing to reduce: no effect.
     :param hybrid_sharding:
         With ``backend: "torch"`` in a launch across hosts: shard each unit's parameters across the
         workers of each host only, and replicate them across hosts (HSDP, a 2-D device mesh). The
@@ -276,8 +276,15 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
     def forward_train(
         self, micro_batch: Dict[str, Any], micro_batch_idx: int, num_micro_batches: int
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        # Tango calls backward() right after, with the loss only: decide here for it.
-        self._sync_gradients = not self.accumulate_grads_locally or micro_batch_idx == num_micro_batches - 1
+        # Tango calls backward() right after, with the loss only: decide here for it. With one
+        # worker there is no traffic to save, and FairScale's no_sync under mixed precision freed
+        # the low-precision parameters that the root unit, still "gathered", used in the next
+        # micro-batch's forward (an out-of-bounds storage error on a single GPU).
+        self._sync_gradients = (
+            not self.accumulate_grads_locally
+            or self.train_config.world_size == 1
+            or micro_batch_idx == num_micro_batches - 1
+        )
         try:
             return super().forward_train(micro_batch, micro_batch_idx, num_micro_batches)
         except KeyError as error:

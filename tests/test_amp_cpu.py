@@ -74,13 +74,22 @@ def test_fsdp_mixed_precision_with_amp_trains_layernorm_model(tmp_path: Path) ->
     assert all(tensor.dtype.is_floating_point and tensor.element_size() == 4 for tensor in weights.values())
 
 
+#: ``(grad_accum, accumulate_grads_locally)`` of the one-worker runs.
+ONE_WORKER_RUNS = [(1, False), (2, True)]
+
+
+@pytest.mark.parametrize(
+    "grad_accum, locally", ONE_WORKER_RUNS, ids=["one_micro_batch", "accumulated_locally"]
+)
 def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gradients(
-    tmp_path: Path,
+    tmp_path: Path, grad_accum: int, locally: bool
 ) -> None:
     # With one worker FairScale does not shard, and its cast of the gradients to float32 never
     # reached them (F10): AdamW then failed on a bfloat16 gradient beside a float32 parameter.
-    # Reference: the same mixed precision by hand, bfloat16 copies computing gradients that AdamW
-    # applies to float32 master weights.
+    # Under no_sync (accumulate_grads_locally), FairScale freed the bfloat16 parameters that the
+    # next micro-batch's forward still used: with one worker the engine no longer enters it.
+    # Reference: the same mixed precision by hand, bfloat16 copies computing gradients (of the loss
+    # over the step's micro-batches) that AdamW applies to float32 master weights.
     import torch.distributed as dist
     from tango.common import Lazy
     from tango.integrations.torch import Optimizer, TrainConfig
@@ -95,6 +104,7 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
         {"x": torch.randn(16, 8, generator=generator), "y": torch.randn(16, generator=generator)}
         for _ in range(4)
     ]
+    steps = [data[i : i + grad_accum] for i in range(0, len(data), grad_accum)]
 
     def toy() -> ToyRegressor:
         torch.manual_seed(0)
@@ -103,17 +113,23 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
     master = toy()
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-2)
     expected = []
-    for batch in data:
+    for micro_batches in steps:
         copy = toy().to(torch.bfloat16)
         copy.load_state_dict(master.state_dict())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = copy(x=batch["x"].to(torch.bfloat16), y=batch["y"].to(torch.bfloat16))["loss"]
-        loss.backward()
-        for parameter, low in zip(master.parameters(), copy.parameters()):
-            assert low.grad is not None
-            parameter.grad = low.grad.float()
+        sums = [torch.zeros_like(parameter) for parameter in master.parameters()]
+        for batch in micro_batches:
+            copy.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = copy(x=batch["x"].to(torch.bfloat16), y=batch["y"].to(torch.bfloat16))["loss"]
+                loss = loss / grad_accum
+            loss.backward()
+            for total, low in zip(sums, copy.parameters()):
+                assert low.grad is not None
+                total += low.grad.float()
+            expected.append(loss.item())
+        for parameter, total in zip(master.parameters(), sums):
+            parameter.grad = total
         optimizer.step()
-        expected.append(loss.item())
 
     config = TrainConfig(
         "one-worker", tmp_path, is_distributed=True, devices=[-1], world_size=1, distributed_port=free_port()
@@ -127,14 +143,18 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
             amp=True,
             amp_use_bfloat16=True,
             fsdp_config=mixed,
+            accumulate_grads_locally=locally,
         )
         losses = []
-        for batch in data:
-            loss, _ = engine.forward_train(batch, 0, 1)
-            engine.backward(loss)
-            assert {p.grad.dtype for p in engine.model.parameters() if p.grad is not None} == {torch.float32}
+        for micro_batches in steps:
+            for index, batch in enumerate(micro_batches):
+                loss, _ = engine.forward_train(batch, index, grad_accum)
+                engine.backward(loss)
+                assert {p.grad.dtype for p in engine.model.parameters() if p.grad is not None} == {
+                    torch.float32
+                }
+                losses.append(loss.item())
             engine.step()
-            losses.append(loss.item())
     finally:
         if dist.is_initialized():
             close_process_groups()

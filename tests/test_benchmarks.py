@@ -162,7 +162,7 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
         "cpu",
         "--quick",
         "--configs",
-        "fp32,amp,amp_mixed_precision",
+        "fp32,plain_fp32,amp,amp_mixed_precision",
         "--peak-tflops",
         "1.5",
         "--json",
@@ -172,8 +172,18 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "gpu.json").read_text())
-    (record,) = data["records"]
-    assert record["config"] == "fp32"
+    record, plain = data["records"]
+    assert (record["config"], plain["config"]) == ("fp32", "plain_fp32")
+    # The baseline: the same model and steps without the engine or a process group; after a step
+    # it holds, as the engine does, its parameters, their gradients and AdamW's two moments (and
+    # a step count per tensor: the engine's flat parameters are fewer tensors).
+    assert plain["backend"] == "none" and len(plain["losses"]) == len(record["losses"])
+    assert plain["parameters"] == record["parameters"]
+    for key in ("parameters", "gradients"):
+        assert plain["state_bytes"][key] == record["state_bytes"][key] > 0, key
+    for state in (plain["state_bytes"], record["state_bytes"]):
+        assert 2 * state["parameters"] <= state["optimizer_state"] < 2 * state["parameters"] + 1024
+    assert plain["losses"][0] == pytest.approx(record["losses"][0], rel=1e-5)
     assert (record["world_size"], record["backend"]) == (1, "gloo")
     assert len(record["losses"]) == data["settings"]["steps"]
     assert all(math.isfinite(loss) for loss in record["losses"])
@@ -185,7 +195,8 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     assert record["peak_tflops"] == 1.5
     assert set(data["skipped"]) == {"amp", "amp_mixed_precision"}
     table = (tmp_path / "gpu.md").read_text()
-    assert "| `fp32` |" in table and "| `amp` | skipped: float16 AMP needs CUDA" in table
+    assert "| `fp32` |" in table and "| `plain_fp32` |" in table
+    assert "| `amp` | skipped: float16 AMP needs CUDA" in table
 
 
 def test_gpu_mode_without_cuda_says_so() -> None:

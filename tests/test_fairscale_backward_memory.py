@@ -241,6 +241,12 @@ def test_no_frozen_release_hook_outlives_its_backward(tmp_path: Path) -> None:
     heap in use per unit and step and the heap growing 12.5 MiB a step around it. The hooks are
     removed at the end of backward; here none is alive after any step.
     """
+    # The count is by torch's function name: it must see a hook registered here, or it proves nothing.
+    before = live_multi_grad_hooks()
+    leaf = torch.ones(2, requires_grad=True)
+    handle = torch.autograd.graph.register_multi_grad_hook([leaf * 2], lambda grads: None)
+    assert live_multi_grad_hooks() > before
+    handle.remove()
     pretrained = save_tiny_llama(tmp_path / "llama", {**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
     (result,) = harness.run(
         [harness.Call(train_lora, (str(pretrained), str(tmp_path / "work")))], out=tmp_path / "out"

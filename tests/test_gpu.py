@@ -145,6 +145,8 @@ def test_cpu_offload_checkpoint_and_consolidate(train_config: TrainConfig) -> No
 
 def test_torch_backend_fp32_matches_plain_training(train_config: TrainConfig) -> None:
     data = batches(8)
+    # max_grad_norm runs the sharded norm's collectives on NCCL; the toy's gradient norms stay below
+    # 10 (at most 7.0 on these batches), so the unclipped reference is the same training.
     engine = make_engine(train_config, backend="torch", max_grad_norm=10.0)
     assert dist.get_backend() == "nccl"
     assert all(p.device.type == "cuda" for p in engine.model.parameters())
