@@ -195,11 +195,7 @@ def release_frozen_after_backward(unit: Any, args: Any, kwargs: Any) -> None:
     inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     if inputs:
         handle = torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: release_frozen(unit))
-        handles: Optional[List[Any]] = getattr(unit, _RELEASE_HOOKS, None)
-        if handles is None:
-            handles = []
-            setattr(unit, _RELEASE_HOOKS, handles)
-        handles.append(handle)
+        unit.__dict__.setdefault(_RELEASE_HOOKS, []).append(handle)
 
 
 def release_all_frozen(root: Any) -> None:
@@ -215,10 +211,8 @@ def release_all_frozen(root: Any) -> None:
             for param in module.params:
                 if hasattr(param, _PENDING):
                     setattr(param, _PENDING, 0)
-            for handle in getattr(module, _RELEASE_HOOKS, None) or []:
+            for handle in module.__dict__.pop(_RELEASE_HOOKS, ()):
                 handle.remove()
-            if hasattr(module, _RELEASE_HOOKS):
-                setattr(module, _RELEASE_HOOKS, [])
 
 
 def _tensors(value: Any) -> Iterator[Any]:
