@@ -263,7 +263,8 @@ def _cast_unsharded_grad_then(hook: Callable[..., Any]) -> Callable[..., Any]:
         ):
             # World size 1: FairScale hands this hook ``param.grad.data``, a fresh alias, so the
             # hook's cast to float32 replaces the alias's data and never reaches ``param.grad``,
-            # which the optimizer then meets in float16/bfloat16 beside its float32 parameter.
+            # which the optimizer then meets in float16/bfloat16 beside its float32 parameter
+            # (reported downstream as Lightning-AI/pytorch-lightning#16303; FairScale is archived).
             param.grad.data = grad.data.to(param.dtype)
             reduced_grad = param.grad.data
         hook(self, param, reduced_grad)
