@@ -490,7 +490,9 @@ def run_trial(
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        # Workers share the cores; more threads than cores only adds contention.
+        # Workers share the cores; more threads than cores only adds contention. The engine's
+        # workers default to their share, Tango's DDP workers do not: set for both. It also
+        # limits numpy's OpenBLAS in the main process (docs/capacity.md).
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size)),
         # The uncached step's temporary work directory (checkpoints, weights) lands in run_dir,
         # which is removed below even when the run was killed.

@@ -452,6 +452,12 @@ class Evaluate(Step):
                 f"{STEP_NAME}: training_engine is for a sharded evaluation (device_count 2 or more); "
                 "remove it, or set device_count."
             )
+        if training_engine is not None:
+            from .options import check_cpu_threads
+            from .preflight import params_of
+
+            # Read in this process for the workers' environment (_sharded), so checked here.
+            check_cpu_threads(params_of(training_engine).get("cpu_threads_per_worker"))
         if device_count > 1 and not isinstance(model, Lazy):
             raise ConfigurationError(
                 f"{STEP_NAME}: device_count {device_count} builds the model sharded in each worker from "
@@ -476,13 +482,20 @@ class Evaluate(Step):
 
         from . import compat
         from .cpu.memory import cpu_worker_environment
+        from .cpu.threads import choose_threads
         from .launch import environment, free_port, rendezvous_store
+        from .preflight import params_of
 
         devices = _devices(device_count)
         work_dir = Path(self.work_dir)
         result_path = work_dir / RESULT_FILE_NAME
         result_path.unlink(missing_ok=True)
-        workers_env = cpu_worker_environment(os.environ) if devices[0] < 0 else {}
+        workers_env = {}
+        if devices[0] < 0:
+            # As torch::train's CPU workers get them (train_step.py).
+            option = params_of(engine).get("cpu_threads_per_worker")
+            threads = choose_threads(option, os.environ, device_count).threads
+            workers_env = cpu_worker_environment(os.environ, threads)
         with (
             environment(workers_env),
             rendezvous_store(free_port(), set_in_config=False) as port,

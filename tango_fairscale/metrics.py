@@ -114,7 +114,8 @@ class MetricsLog(TelemetryCallback):
     :func:`~tango_fairscale.cpu.memory.cpu_worker_environment`) and ``threads`` (worker 0's torch
     intra-op threads, ``intra_op``, and where the number came from, ``source``: the engine's
     ``cpu_threads_per_worker``, ``OMP_NUM_THREADS``, the worker's share of the host's cores, or
-    torch's default: :mod:`tango_fairscale.cpu.threads`).
+    torch's default; and ``blas``, the threads numpy's OpenBLAS was told to start, ``None`` for its
+    default of one per core: :mod:`tango_fairscale.cpu.threads`).
 
     A validation line (``"kind": "validation"``), after each validation loop, has ``step``,
     ``epoch``, ``time``, ``val_<name>`` for every scalar the model returned in validation

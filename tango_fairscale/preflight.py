@@ -48,7 +48,7 @@ from .wrapping import WRAPPER_TYPE, check_list_option, require_parameters
 logger = logging.getLogger(__name__)
 
 
-def _params_of(lazy: Any) -> Dict[str, Any]:
+def params_of(lazy: Any) -> Dict[str, Any]:
     """The config of a ``Lazy`` object as a plain dict (empty when it was not built from a config)."""
     params = getattr(lazy, "_params", None)
     if isinstance(params, Params):
@@ -57,7 +57,7 @@ def _params_of(lazy: Any) -> Dict[str, Any]:
 
 
 def uses_fairscale_engine(training_engine: Any) -> bool:
-    type_name = _params_of(training_engine).get("type")
+    type_name = params_of(training_engine).get("type")
     if not isinstance(type_name, str):
         return False
     try:
@@ -226,7 +226,7 @@ def check_model(
     export_hf: Optional[str] = None,
 ) -> None:
     """Build the model on the meta device (no memory) to check its wrapping and parameters."""
-    config = _params_of(model) if isinstance(model, Lazy) else {}
+    config = params_of(model) if isinstance(model, Lazy) else {}
     if config.get("type") == WRAPPER_TYPE:
         check_list_option("modules_to_wrap", config.get("modules_to_wrap"), "regex strings")
         check_list_option("wrap_module_classes", config.get("wrap_module_classes"), "class names")
@@ -299,7 +299,7 @@ def check_engine_keys(training_engine: Any) -> None:
     cannot go without are there: Tango would report either from inside every worker (a misspelt
     ``optimizer`` as "Missing key optimizer", after a traceback per worker).
     """
-    engine = _params_of(training_engine)
+    engine = params_of(training_engine)
     type_name = engine.get("type")
     try:
         engine_class = TrainingEngine.resolve_class_name(str(type_name))[0]
@@ -365,7 +365,7 @@ def check_callbacks(callbacks: Any, train_steps: Optional[int]) -> None:
     without constructing it: a constructor needs the workers' engine, and would have effects.
     """
     for index, callback in enumerate(callbacks or []):
-        config = _params_of(callback)
+        config = params_of(callback)
         type_name = config.get("type")
         callback_class = getattr(callback, "_constructor", None)
         if isinstance(type_name, str):
@@ -394,7 +394,7 @@ def _configs_of_type(config: Any, type_name: str) -> List[Dict[str, Any]]:
 
 def check_pretrained_models(model: Any, init_on_meta: bool) -> None:
     """Each ``fairscale::from_pretrained`` of the model (alone or wrapped), by :func:`check_pretrained`."""
-    for config in _configs_of_type(_params_of(model), PRETRAINED_TYPE):
+    for config in _configs_of_type(params_of(model), PRETRAINED_TYPE):
         if config.get("pretrained_model_name_or_path") is None:
             continue  # Tango says it is missing
         try:
@@ -430,14 +430,14 @@ def preflight(
     work_dir: Optional[Path] = None,
     hosts: int = 1,
     **step_options: Any,
-) -> None:
+) -> EngineOptions:
     """
     All checks, in the order a user would fix them. Takes ``TorchTrainStep._train``'s arguments,
-    and the number of ``hosts`` of a launch across hosts.
+    and the number of ``hosts`` of a launch across hosts; returns the engine's options.
     A mistake is raised as :class:`PreflightError`, which Tango prints as its message alone.
     """
     try:
-        _preflight(
+        return _preflight(
             model=model,
             training_engine=training_engine,
             dataset_dict=dataset_dict,
@@ -474,14 +474,14 @@ def _preflight(
     work_dir: Optional[Path],
     hosts: int = 1,
     **step_options: Any,
-) -> None:
-    engine = _params_of(training_engine)
+) -> EngineOptions:
+    engine = params_of(training_engine)
     devices = list(devices or [])
     world_size = len(devices)
     check_counts(step_options)
     check_engine_keys(training_engine)
     check_splits(dataset_dict, train_split, validation_split)
-    train_loader = _params_of(train_dataloader)
+    train_loader = params_of(train_dataloader)
     train_steps = planned_train_steps(step_options, dataset_dict[train_split], train_loader, world_size)
     options = check_engine(engine, world_size, work_dir, devices_are_cpu(devices), hosts, train_steps)
     if options.accumulate_grads_locally is True and step_options.get("grad_accum", 1) == 1:
@@ -502,8 +502,8 @@ def _preflight(
             if validation_dataloader is not None
             else "train_dataloader (used for validation)"
         )
-        check_sampler(_params_of(loader), dataset_dict[validation_split], name)
-        check_batches(_params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
+        check_sampler(params_of(loader), dataset_dict[validation_split], name)
+        check_batches(params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
     check_callbacks(step_options.get("callbacks"), train_steps)
     check_pretrained_models(model, options.init_on_meta)
     check_model(
@@ -514,3 +514,4 @@ def _preflight(
         backend=options.backend,
         export_hf=options.export_hf,
     )
+    return options

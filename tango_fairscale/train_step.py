@@ -7,6 +7,7 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
   callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
   host (the rendezvous store served from here) or a launch across hosts (any number of workers
   per host, 1 included); the engine's CPU workers spawned with malloc advising transparent huge pages
+  and numpy's OpenBLAS starting the worker's share of threads
   (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); the step's workers joined with a
   grace period (:func:`~tango_fairscale.compat.spawn_grace`, T4); a worker's ``CheckpointError``
   told as its one line.
@@ -33,6 +34,7 @@ from . import launch as launching
 from .callbacks import RestoreRandomState
 from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
+from .cpu.threads import choose_threads
 from .devices import devices_are_cpu
 from .errors import CheckpointError, refused, worker_checkpoint_error
 from .launch.signals import end_quietly_on_signals
@@ -118,6 +120,7 @@ def _run_step(
             "hosts is what that engine adds. Use it, or run without the launcher (or with "
             "TANGO_FAIRSCALE_MULTIHOST=0, to train on each host separately)."
         )
+    options = None
     if on_fairscale:
         # (b) Across hosts, the world the data is split over is every host's workers.
         world: Dict[str, Any] = (
@@ -125,7 +128,7 @@ def _run_step(
             if launch is not None and devices
             else {}
         )
-        preflight(
+        options = preflight(
             model=model,
             training_engine=training_engine,
             dataset_dict=dataset_dict,
@@ -138,8 +141,12 @@ def _run_step(
     if on_fairscale and isinstance(model, Lazy):
         # (f) The final model in this process: on meta, the weights assigned, not copied.
         args = (FinalModelOnMeta(model), *args[1:])
-    # CPU workers start with malloc advising huge pages (glibc reads it only at a start).
-    workers_env = cpu_worker_environment(os.environ) if on_fairscale and devices_are_cpu(devices) else {}
+    # CPU workers start with malloc advising huge pages and OpenBLAS's threads their share (both
+    # read only at a start).
+    workers_env = {}
+    if options is not None and devices_are_cpu(devices):
+        threads = choose_threads(options.cpu_threads_per_worker, os.environ, len(devices or ()))
+        workers_env = cpu_worker_environment(os.environ, threads.threads)
     # (i) T4: a worker that ignores SIGTERM after another failed is killed sooner, in the spawns
     # of this step only.
     with launching.environment(workers_env), compat.spawn_grace():

@@ -309,6 +309,16 @@ def test_bad_inputs_are_one_line_naming_the_option(pretrained: Path, tmp_path: P
             {"model": config, "training_engine": Lazy(TrainingEngine)},
             "training_engine is for a sharded evaluation",
         ),
+        (
+            {
+                "model": config,
+                "device_count": 2,
+                "training_engine": Lazy(
+                    TrainingEngine, Params({"type": "fairscale", "cpu_threads_per_worker": 0})
+                ),
+            },
+            "training_engine.cpu_threads_per_worker: must be a whole number of threads, 1 or more, got 0",
+        ),
         ({"model": config, "weights": str(tmp_path / "none.pt")}, "none.pt is not a file"),
         ({"model": config, "weights": str(other)}, "other.pt does not fit the model (missing lm_head.weight"),
         ({"model": config, "label_shift": -1}, "label_shift must be 0 or more, got -1"),

@@ -117,7 +117,7 @@ def test_a_signal_stops_every_worker_with_one_line(
     # The workers computed with OMP_NUM_THREADS's thread, as the metrics log's run line says.
     lines_logged, _ = read_metrics(work_dir / "metrics.jsonl")
     (run_line,) = [line for line in lines_logged if line["kind"] == "run"]
-    assert run_line["threads"] == {"intra_op": 1, "source": "OMP_NUM_THREADS"}
+    assert run_line["threads"] == {"intra_op": 1, "source": "OMP_NUM_THREADS", "blas": 1}
 
 
 @pytest.mark.parametrize("level, logged", [(logging.WARNING, False), (logging.DEBUG, True)])

@@ -1,7 +1,8 @@
 """
 CPU workers compute with their share of the host's cores (torch's intra-op threads), unless
 ``OMP_NUM_THREADS`` or the engine's ``cpu_threads_per_worker`` says otherwise; the metrics log's
-run line records the number and where it came from; a bad option is refused in one line.
+run line records the number and where it came from; a bad option is refused in one line. Spawned
+CPU workers start numpy's OpenBLAS with the same number of threads unless the user chose one.
 """
 
 import os
@@ -13,17 +14,20 @@ import torch
 from tango.common.exceptions import ConfigurationError
 
 from tango_fairscale.cpu.threads import (
+    BLAS_VARIABLES,
     SOURCE_ENVIRONMENT,
     SOURCE_OPTION,
     SOURCE_SHARE,
     available_cores,
+    blas_environment,
+    blas_threads,
     choose_threads,
 )
 from tango_fairscale.metrics import read_metrics
 from tango_fairscale.options import EngineOptions
 from tango_fairscale.preflight import check_engine
 from tests import harness
-from tests.helpers import train_config
+from tests.helpers import ConcurrentProcesses, python_command, train_config
 
 #: What a worker of 2 on this machine computes with by default.
 SHARE_OF_TWO = max(1, available_cores() // 2)
@@ -103,11 +107,62 @@ def test_workers_compute_with_the_threads_chosen(tmp_path: Path, monkeypatch: py
     # And a whole run: the run line of its metrics log says what its workers computed with.
     trained = harness.Train(train_config(train_steps=2, checkpoint_every=2), tmp_path / "trained")
     results = harness.run([*jobs, trained], out=tmp_path / "harness")
-    for (name, (_, _, threads, source)), result in zip(cases.items(), results):
+    for (name, (omp, _, threads, source)), result in zip(cases.items(), results):
         result.check()
-        expected = (threads, {"intra_op": threads, "source": source})
+        # OpenBLAS reads OMP_NUM_THREADS too, after its own variables (unset in these workers,
+        # which the test forks: only spawned workers get OPENBLAS_NUM_THREADS).
+        blas = blas_threads({**os.environ, **({"OMP_NUM_THREADS": omp} if omp else {})})
+        expected = (threads, {"intra_op": threads, "source": source, "blas": blas})
         assert result.values == [expected, expected], name
     results[-1].check()
     lines, _ = read_metrics(trained.work_dir / "metrics.jsonl")
     (run_line,) = [line for line in lines if line["kind"] == "run"]
-    assert run_line["threads"] == {"intra_op": SHARE_OF_TWO, "source": SOURCE_SHARE}
+    assert run_line["threads"] == {"intra_op": SHARE_OF_TWO, "source": SOURCE_SHARE, "blas": blas_threads()}
+
+
+def test_spawned_workers_start_openblas_with_their_threads_unless_the_user_chose() -> None:
+    assert blas_environment({}, 3) == {"OPENBLAS_NUM_THREADS": "3"}
+    assert blas_environment({"PATH": "/bin", "OPENBLAS_NUM_THREADS": ""}, 1) == {"OPENBLAS_NUM_THREADS": "1"}
+    for variable in BLAS_VARIABLES:
+        assert blas_environment({variable: "4"}, 1) == {}, variable
+    # What OpenBLAS was told, first set variable winning; its default (one per core) is None.
+    assert blas_threads({}) is None
+    assert blas_threads({"OMP_NUM_THREADS": "3"}) == 3
+    assert blas_threads({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "2"}) == 2
+    assert blas_threads({"GOTO_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
+    assert blas_threads({"OPENBLAS_NUM_THREADS": "4,2"}) is None
+
+
+# numpy's OpenBLAS threads (the process's threads after importing it) and VmData.
+IMPORT_NUMPY = """
+import os
+import numpy
+vm_data = [line for line in open("/proc/self/status") if line.startswith("VmData:")][0].split()[1]
+print("NUMPY:", len(os.listdir("/proc/self/task")), int(vm_data) // 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in Linux's /proc")
+@pytest.mark.skipif(available_cores() < 2, reason="OpenBLAS starts one thread on one core either way")
+def test_a_worker_given_one_blas_thread_starts_no_idle_ones_and_reserves_less() -> None:
+    plain = {name: value for name, value in os.environ.items() if name not in BLAS_VARIABLES}
+    processes = ConcurrentProcesses(
+        {
+            "worker": python_command(IMPORT_NUMPY, env={**plain, **blas_environment(plain, 1)}),
+            "default": python_command(IMPORT_NUMPY, env=plain),
+        }
+    )
+    try:
+        measured = {}
+        for name in ("worker", "default"):
+            result = processes.result(name)
+            assert result.returncode == 0, result.stderr[-3000:]
+            threads, vm_data_mib = result.stdout.split("NUMPY:")[1].split()
+            measured[name] = (int(threads), int(vm_data_mib))
+    finally:
+        processes.close()
+    print(f"after import numpy (threads, VmData MiB): {measured}")
+    assert measured["worker"][0] == 1
+    assert measured["default"][0] == min(available_cores(), 64)  # OpenBLAS's MAX_THREADS
+    # Each thread OpenBLAS does not start is a buffer and a stack it does not reserve.
+    assert measured["default"][1] - measured["worker"][1] >= 8 * (measured["default"][0] - 1)

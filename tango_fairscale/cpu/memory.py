@@ -7,6 +7,8 @@ import threading
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
+from .threads import blas_environment
+
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
 #: The default threshold: FairScale's flat units (a block's parameters or gradients in one tensor).
@@ -175,14 +177,17 @@ def long_lived_allocations() -> Iterator[None]:
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 
 
-def cpu_worker_environment(env: Mapping[str, str]) -> Dict[str, str]:
+def cpu_worker_environment(env: Mapping[str, str], threads: int) -> Dict[str, str]:
     """
     What Tango's main process adds to the environment of the CPU workers it spawns for a step on
-    the ``"fairscale"`` engine (either backend): glibc's malloc advises transparent huge pages
-    for its mappings (``GLIBC_TUNABLES``; glibc reads it when a process starts, so only a spawned
-    worker can have it).
+    the ``"fairscale"`` engine (either backend), each computing with ``threads`` threads: glibc's
+    malloc advises transparent huge pages for its mappings (``GLIBC_TUNABLES``), and numpy's
+    OpenBLAS starts ``threads`` threads instead of one per core
+    (:func:`~tango_fairscale.cpu.threads.blas_environment`: about 41 MiB of VmData per thread it
+    does not start). Both are read only when a process starts, so only a spawned worker can have
+    them.
 
-    Why: an FSDP worker allocates and writes whole-unit buffers every step (gathered parameters,
+    Why huge pages: an FSDP worker allocates and writes whole-unit buffers every step (gathered parameters,
     their gradients, activations), each in a fresh mapping of its own past the mmap threshold
     (:func:`limit_cpu_heap_growth`), paged in one 4 KiB fault at a time. With huge pages, where
     the kernel offers them for ``madvise`` (``/sys/kernel/mm/transparent_hugepage/enabled``), one
@@ -194,12 +199,13 @@ def cpu_worker_environment(env: Mapping[str, str]) -> Dict[str, str]:
 
     A ``glibc.malloc.hugetlb`` already in ``GLIBC_TUNABLES`` is left as it is
     (``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns this off); other tunables are kept. Linux only
-    (elsewhere nothing is added); a glibc older than 2.35, or another C library, ignores it.
+    (elsewhere no tunable is added); a glibc older than 2.35, or another C library, ignores it.
     """
-    if not sys.platform.startswith("linux") or _tunable(env, HUGE_PAGES_TUNABLE) is not None:
-        return {}
-    tunables = env.get("GLIBC_TUNABLES", "")
-    return {"GLIBC_TUNABLES": ":".join(item for item in (tunables, f"{HUGE_PAGES_TUNABLE}=1") if item)}
+    added = blas_environment(env, threads)
+    if sys.platform.startswith("linux") and _tunable(env, HUGE_PAGES_TUNABLE) is None:
+        tunables = env.get("GLIBC_TUNABLES", "")
+        added["GLIBC_TUNABLES"] = ":".join(item for item in (tunables, f"{HUGE_PAGES_TUNABLE}=1") if item)
+    return added
 
 
 def malloc_advises_huge_pages(env: Mapping[str, str] = os.environ) -> bool:
