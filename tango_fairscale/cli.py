@@ -88,9 +88,15 @@ def consolidate_hf(
     directory; with ``merge``, as the base model with the adapter merged into it.
     """
     checkpoint_dir, output = Path(checkpoint_dir), Path(output)
-    if hf_config is None or not (Path(hf_config) / "config.json").is_file():
+    if hf_config is None:
         raise UsageError(
             "--format hf needs --hf-config DIR, a directory with the model's config.json "
+            "(e.g. the pretrained model it was fine-tuned from)"
+        )
+    if not (Path(hf_config) / "config.json").is_file():
+        found = "does not exist" if not Path(hf_config).exists() else "holds no config.json"
+        raise UsageError(
+            f"--hf-config {hf_config} {found}: give the directory of the model's config.json "
             "(e.g. the pretrained model it was fine-tuned from)"
         )
     if not checkpoint_dir.exists():
@@ -565,7 +571,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         "checkpoint_dir", type=Path, help="checkpoint_state_step<N> directory or work dir"
     )
     consolidate_parser.add_argument(
-        "output", type=Path, help="the .pt file to write (not inside a checkpoint directory)"
+        "output",
+        type=Path,
+        help="the .pt file to write, or with --format hf the directory (not inside a checkpoint directory)",
     )
     consolidate_parser.add_argument(
         "--optimizer",

@@ -155,9 +155,12 @@ def evaluate_model(
     model: nn.Module, split: Sequence[Any], batch_size: int, label_shift: int = 1, device: Any = None
 ) -> TokenLoss:
     """In this process: ``model`` (eval mode, on ``device``: a GPU if any) over every batch of ``split``."""
+    from .engine import name_causal_lm_loss
+
     device = resolve_device(device)
     model.eval()
     model.to(device)
+    name_causal_lm_loss(model)  # as the engine does: the loss is the same, without its warning
     totals = TokenLoss()
     with torch.inference_mode():
         for index in range(batch_count(len(split), batch_size)):

@@ -27,7 +27,8 @@ only when a model uses it.
 import dataclasses
 import json
 import sys
-from typing import Any, Dict, List, Optional
+import warnings
+from typing import Any, Dict, List, Optional, Union
 
 import torch.nn as nn
 from tango.common import FromParams
@@ -55,14 +56,16 @@ class LoraOptions(FromParams):
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training (peft's default, 0, keeps runs deterministic)."""
 
-    target_modules: Optional[List[str]] = None
+    target_modules: Optional[Union[str, List[str]]] = None
     """
     The modules that get adapters: names (a module matches when its name ends with one) or, as a
     single string, a regex fully matched against module names. Default: peft's choice for the
     model's architecture (for Llama ``q_proj`` and ``v_proj``).
     """
 
-    modules_to_save: Optional[List[str]] = None
+    # A string too, so that a config's string reaches the check below (Tango would make a list of
+    # its characters for a list annotation).
+    modules_to_save: Optional[Union[str, List[str]]] = None
     """Modules trained in full beside the adapters (e.g. a new classification head)."""
 
     bias: str = "none"
@@ -119,8 +122,8 @@ def with_lora(
     r: int = 8,
     lora_alpha: Optional[float] = None,
     lora_dropout: float = 0.0,
-    target_modules: Optional[List[str]] = None,
-    modules_to_save: Optional[List[str]] = None,
+    target_modules: Optional[Union[str, List[str]]] = None,
+    modules_to_save: Optional[Union[str, List[str]]] = None,
     bias: str = "none",
 ) -> Model:
     """
@@ -146,10 +149,41 @@ def with_lora(
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"{LORA_TYPE}.model: expected a torch module, got {type(model).__name__}.")
     try:
-        return get_peft_model(model, options.peft_config())  # type: ignore[no-any-return]
+        with warnings.catch_warnings():
+            # peft switches fan_in_fan_out on itself for transformers' Conv1D layers (GPT-2's),
+            # as they need, and says so once per process: the main process's pre-flight build
+            # and every worker's. The option is peft's, not one of this constructor's.
+            warnings.filterwarnings("ignore", message=_CONV1D_FAN_IN_FAN_OUT, category=UserWarning)
+            return get_peft_model(model, options.peft_config())  # type: ignore[no-any-return]
     except ValueError as error:
-        # peft's own words for a target_modules that matches nothing, one line.
-        raise ConfigurationError(f"{LORA_TYPE}: {str(error).splitlines()[0]}") from None
+        # peft's own words for a target_modules that matches nothing, one line, and the names
+        # that would match.
+        message = str(error).splitlines()[0]
+        if "target modules" in message.lower():
+            message += (
+                f" The model's layers that can take adapters are named: {', '.join(adaptable_names(model))} "
+                "(a name in target_modules matches the end of a module's name)."
+            )
+        raise ConfigurationError(f"{LORA_TYPE}: {message}") from None
+
+
+#: The start of peft's warning that it sets ``fan_in_fan_out`` for a ``Conv1D`` target.
+_CONV1D_FAN_IN_FAN_OUT = "fan_in_fan_out is set to False but the target module is `Conv1D`"
+
+
+def adaptable_names(model: nn.Module) -> List[str]:
+    """
+    The last parts of the names of ``model``'s modules that peft's LoRA adapts (leaf modules with
+    a weight of two or more dimensions: linear, embedding, convolution and transformers'
+    ``Conv1D`` layers), sorted, once each.
+    """
+    names = set()
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name and not any(True for _ in module.children()) and isinstance(weight, nn.Parameter):
+            if weight.dim() >= 2:
+                names.add(name.rpartition(".")[2])
+    return sorted(names)
 
 
 def peft_model_in(model: nn.Module) -> Optional[Any]:

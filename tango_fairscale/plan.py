@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .config import FSDPConfig
-from .engine import FairScaleTrainingEngine
+from .engine import FairScaleTrainingEngine, name_causal_lm_loss
 from .materialize import check_initialisable, parameters_on_meta
 from .wrapping import WRAPPER_TYPE, WrapPlan, disable_hf_kv_cache
 
@@ -635,6 +635,9 @@ def _render_peak(plan: Plan) -> List[str]:
     labels = dict(PEAK_PARTS)
     if plan.fsdp_sharded:
         labels.update(parameters="parameters (shards)", gradients="gradients (shards)")
+        if plan.backend == "fairscale":
+            # With few trainable parameters (LoRA) FairScale's bucket is most of it.
+            labels.update(gathered_gradients="units' whole gradients, bucket")
     else:
         labels.update(
             parameters="parameters (whole)", gradients="gradients (whole)", gathered_gradients="DDP's buckets"
@@ -1534,6 +1537,7 @@ def measure_step(
             key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in batch.tensors.items()
         }
     inputs.update(batch.others)
+    name_causal_lm_loss(model)  # as the engine does: the loss is the same, without its warning
     names = list(checkpointed)
     if names:
         disable_hf_kv_cache(model)

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from tango.common import Lazy, Params
 from tango.common.exceptions import CliRunError, ConfigurationError
-from tango.integrations.torch import Sampler, TrainCallback, TrainingEngine
+from tango.integrations.torch import Model, Sampler, TrainCallback, TrainingEngine
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
@@ -312,17 +312,73 @@ def check_engine_keys(training_engine: Any) -> None:
         return  # an engine that takes any key
     for key in engine:
         if key != "type" and key not in taken:
-            nearest = difflib.get_close_matches(key, taken, n=1)
-            hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {sorted(taken)}."
-            raise ConfigurationError(
-                f"training_engine.{key}: not an option of the {type_name!r} engine: {hint}"
-            )
+            raise _not_an_option(f"training_engine.{key}", f"the {type_name!r} engine", key, taken)
     for name in taken:
         if parameters[name].default is inspect.Parameter.empty and name not in engine:
             raise ConfigurationError(
                 f"training_engine.{name}: missing; the {type_name!r} engine needs it"
                 f"{_ENGINE_EXAMPLES.get(name, '')}."
             )
+
+
+def _not_an_option(field: str, owner: str, key: str, options: List[str]) -> ConfigurationError:
+    """The error for ``key`` at ``field``, not one of ``owner``'s ``options``: the nearest one, or all."""
+    nearest = difflib.get_close_matches(key, options, n=1)
+    hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {sorted(options)}."
+    return ConfigurationError(f"{field}: not an option of {owner}: {hint}")
+
+
+def check_model_keys(model: Any) -> None:
+    """
+    Every key of each registered model constructor in the step's model config (the model, and
+    the models nested in it, such as ``fairscale::with_lora``'s ``model``) is an argument of that
+    constructor. Tango says a misspelt one as "Extra parameters passed to Model: {...}", naming
+    neither the constructor nor where in the config it is.
+    """
+    for field, config in _model_configs(params_of(model), "model"):
+        type_name = config["type"]
+        parameters = _constructor_parameters(type_name) or []
+        for key in config:
+            if key != "type" and key not in parameters:
+                raise _not_an_option(f"{field}.{key}", repr(type_name), key, parameters)
+
+
+def _model_configs(config: Any, field: str) -> List[Any]:
+    """
+    ``(field, config)`` of each part of ``config`` that names a registered model type whose
+    arguments :func:`_constructor_parameters` can read, outermost first.
+    """
+    found: List[Any] = []
+    if isinstance(config, list):
+        for index, item in enumerate(config):
+            found += _model_configs(item, f"{field}[{index}]")
+    elif isinstance(config, dict):
+        if isinstance(config.get("type"), str) and _constructor_parameters(config["type"]) is not None:
+            found.append((field, config))
+        for key, value in config.items():
+            found += _model_configs(value, f"{field}.{key}")
+    return found
+
+
+def _constructor_parameters(type_name: str) -> Optional[List[str]]:
+    """
+    The arguments a config may give the model type ``type_name`` (``model`` included), ``None``
+    where any key goes (a constructor taking ``**kwargs``) or the constructor is not plain Python.
+    """
+    try:
+        # Not Tango's search of every integration for a name it does not know: Tango's to report.
+        registered, method = Model.resolve_class_name(type_name, search_modules=False)
+        constructor: Any = registered
+        if method is not None:
+            constructor = getattr(registered, method)
+        elif isinstance(registered, type):
+            constructor = registered.__init__
+        parameters = inspect.signature(constructor).parameters
+    except Exception:  # noqa: BLE001 - not a model type this check can read
+        return None
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return None
+    return [name for name in parameters if name not in ("self", "cls")]
 
 
 #: How to write what the engine cannot go without, for the message that says it is missing.
@@ -505,6 +561,7 @@ def _preflight(
         check_sampler(params_of(loader), dataset_dict[validation_split], name)
         check_batches(params_of(loader), dataset_dict[validation_split], validation_split, name, world_size)
     check_callbacks(step_options.get("callbacks"), train_steps)
+    check_model_keys(model)
     check_pretrained_models(model, options.init_on_meta)
     check_model(
         model,

@@ -189,6 +189,11 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
             {"target_modules": ["no_such_proj"]},
             "fairscale::with_lora: Target modules {'no_such_proj'} not found",
         ),
+        (
+            {"target_modules": ["c_attn"]},
+            "The model's layers that can take adapters are named: down_proj, embed_tokens, gate_proj, "
+            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (a name in target_modules matches the end",
+        ),
     ],
 )
 def test_bad_lora_options_are_one_line(pretrained: Path, options: Dict[str, Any], fragment: str) -> None:
@@ -200,6 +205,55 @@ def test_bad_lora_options_are_one_line(pretrained: Path, options: Dict[str, Any]
     with pytest.raises(ConfigurationError) as error:
         with_lora(AutoModelForCausalLM.from_pretrained(pretrained), **options)
     assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_options_from_a_config_as_peft_takes_them(pretrained: Path) -> None:
+    """
+    From a config, a single string in target_modules is peft's regex (not a list of its
+    characters), and modules_to_save as a string is refused in one line.
+    """
+    from tango.common import Lazy, Params
+    from tango.common.exceptions import ConfigurationError
+    from tango.integrations.torch import Model
+
+    base = {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(pretrained)}
+    regex = r"model\.layers\.0\.self_attn\.(q|v)_proj"
+    built = Lazy(
+        Model, Params({"type": "fairscale::with_lora", "model": base, "target_modules": regex})
+    ).construct()
+    adapted = sorted(name for name, _ in built.named_modules() if name.endswith(".lora_A"))
+    assert adapted == [
+        f"base_model.model.model.layers.0.self_attn.{name}.lora_A" for name in ("q_proj", "v_proj")
+    ]
+    with pytest.raises(ConfigurationError) as error:
+        Lazy(
+            Model, Params({"type": "fairscale::with_lora", "model": base, "modules_to_save": "lm_head"})
+        ).construct()
+    message = "modules_to_save: expected a list of module names, got the string 'lm_head': write ['lm_head']."
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_gpt2s_conv1d_layers_take_adapters_quietly() -> None:
+    """
+    peft's fan_in_fan_out for transformers' Conv1D layers is set without its warning, and the
+    model starts where the base is.
+    """
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tango_fairscale import with_lora
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)).eval()
+    tokens = torch.randint(32, (2, 8))
+    expected = base(input_ids=tokens).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = with_lora(base, r=4, target_modules=["c_attn"])
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+    assert model.peft_config["default"].fan_in_fan_out is True
+    assert torch.equal(model(input_ids=tokens).logits, expected)
 
 
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])

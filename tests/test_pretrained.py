@@ -628,6 +628,19 @@ def test_consolidate_format_hf_writes_the_engines_export(
     assert "already exists: pass --force" in capsys.readouterr().err
     assert cli.main(["consolidate", str(work_dir), str(tmp_path / "other"), "--format", "hf"]) == 2
     assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
+    # A --hf-config that is not there, or is not a model's directory, is named.
+    for bad, said in ((tmp_path / "nope", "does not exist"), (work_dir, "holds no config.json")):
+        argv = [
+            "consolidate",
+            str(work_dir),
+            str(tmp_path / "other"),
+            "--format",
+            "hf",
+            "--hf-config",
+            str(bad),
+        ]
+        assert cli.main(argv) == 2
+        assert f"--hf-config {bad} {said}: give the directory" in capsys.readouterr().err
 
 
 def test_docs_consolidate_format_hf_command_as_written(

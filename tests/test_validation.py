@@ -281,6 +281,25 @@ CASES += [
 ]
 
 
+CASES += [
+    (
+        "a misspelt option of the wrapped model",
+        lambda config: train(config)["model"]["model"].update(num_block=2),
+        "ConfigurationError",
+        "model.model.num_block: not an option of 'toy::regressor': did you mean 'num_blocks'?",
+        True,
+    ),
+    (
+        "a misspelt option of fairscale::with_wrapped_modules",
+        lambda config: train(config)["model"].update(wrap_module_class=["Block"]),
+        "ConfigurationError",
+        "model.wrap_module_class: not an option of 'fairscale::with_wrapped_modules': did you mean "
+        "'wrap_module_classes'?",
+        True,
+    ),
+]
+
+
 def callback(**options: Any) -> Callable[[Config], None]:
     return lambda config: train(config).update(callbacks=[options])
 
