@@ -94,7 +94,14 @@ def consolidate_hf(
             "(e.g. the pretrained model it was fine-tuned from)"
         )
     if not (Path(hf_config) / "config.json").is_file():
-        found = "does not exist" if not Path(hf_config).exists() else "holds no config.json"
+        given = Path(hf_config)
+        found = (
+            "does not exist"
+            if not given.exists()
+            else "is a file"
+            if given.is_file()
+            else "holds no config.json"
+        )
         raise UsageError(
             f"--hf-config {hf_config} {found}: give the directory of the model's config.json "
             "(e.g. the pretrained model it was fine-tuned from)"

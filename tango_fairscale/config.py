@@ -121,8 +121,9 @@ class FSDPConfig(FromParams):
 
     bucket_cap_mb: int = 25
     """
-    Size in MiB of the buckets that batch small gradient reduce-scatters together.
-    ``0`` disables bucketing.
+    Size in MiB of the buckets that batch small gradient reduce-scatters together (the engine's:
+    one bucket all units share). ``0`` disables bucketing. The fairscale backend allocates less
+    where the gradients that fit the bucket add up to less, with the same reduce-scatters.
     """
 
     no_broadcast_optim_state: bool = False

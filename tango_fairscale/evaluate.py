@@ -485,7 +485,6 @@ class Evaluate(Step):
 
         from . import compat
         from .cpu.memory import cpu_worker_environment
-        from .cpu.threads import choose_threads
         from .launch import environment, free_port, rendezvous_store
         from .preflight import params_of
 
@@ -497,8 +496,7 @@ class Evaluate(Step):
         if devices[0] < 0:
             # As torch::train's CPU workers get them (train_step.py).
             option = params_of(engine).get("cpu_threads_per_worker")
-            threads = choose_threads(option, os.environ, device_count).threads
-            workers_env = cpu_worker_environment(os.environ, threads)
+            workers_env = cpu_worker_environment(os.environ, option, device_count)
         with (
             environment(workers_env),
             rendezvous_store(free_port(), set_in_config=False) as port,

@@ -82,13 +82,12 @@ class LoraOptions(FromParams):
             )
         if self.bias not in _BIAS:
             raise ConfigurationError(f"{LORA_TYPE}.bias: must be one of {list(_BIAS)}, got {self.bias!r}.")
-        for name in ("target_modules", "modules_to_save"):
-            value = getattr(self, name)
-            if isinstance(value, str) and name == "modules_to_save":
-                raise ConfigurationError(
-                    f"{LORA_TYPE}.{name}: expected a list of module names, got the string {value!r}: "
-                    f"write [{value!r}]."
-                )
+        # peft takes target_modules as a string (a regex), not modules_to_save.
+        if isinstance(self.modules_to_save, str):
+            raise ConfigurationError(
+                f"{LORA_TYPE}.modules_to_save: expected a list of module names, got the string "
+                f"{self.modules_to_save!r}: write [{self.modules_to_save!r}]."
+            )
 
     def peft_config(self) -> Any:
         """These options as peft's ``LoraConfig``."""
@@ -160,9 +159,14 @@ def with_lora(
         # that would match.
         message = str(error).splitlines()[0]
         if "target modules" in message.lower():
+            how = (
+                "a regex, it must match a module's whole dotted name (e.g. transformer.h.0.attn.c_attn)"
+                if isinstance(target_modules, str)
+                else "a name in the list matches the end of a module's dotted name"
+            )
             message += (
                 f" The model's layers that can take adapters are named: {', '.join(adaptable_names(model))} "
-                "(a name in target_modules matches the end of a module's name)."
+                f"(target_modules as {how})."
             )
         raise ConfigurationError(f"{LORA_TYPE}: {message}") from None
 

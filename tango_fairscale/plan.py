@@ -37,6 +37,7 @@ from tango.integrations.torch import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from .backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine, name_causal_lm_loss
 from .materialize import check_initialisable, parameters_on_meta
@@ -870,6 +871,11 @@ def make_plan(
         accumulates_unsharded=sharded and bool(engine.get("accumulate_grads_locally")) and grad_accum > 1,
         device=device,
         device_memory=device_memory,
+    )
+    # The bucket the backend makes: no larger than the gradients that go into it.
+    plan.bucket_cap_mb = sufficient_bucket_cap_mb(
+        plan.bucket_cap_mb,
+        ((unit.trainable_numel, plan.gradient_element_size(unit), world_size) for unit in plan.units),
     )
     plan.batch, plan.batch_note = batch_spec(step, steps or {}, model, sequence_length, sample_data)
     if measure:

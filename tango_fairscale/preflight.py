@@ -20,10 +20,11 @@ import difflib
 import inspect
 import logging
 import math
+import typing
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from tango.common import Lazy, Params
@@ -305,11 +306,11 @@ def check_engine_keys(training_engine: Any) -> None:
         engine_class = TrainingEngine.resolve_class_name(str(type_name))[0]
     except Exception:  # noqa: BLE001 - an unknown name is Tango's error to report
         return
-    parameters = inspect.signature(engine_class.__init__).parameters
-    # Tango passes these two itself.
-    taken = [name for name in parameters if name not in ("self", "train_config", "model")]
-    if any(parameters[name].kind is inspect.Parameter.VAR_KEYWORD for name in taken):
+    # Tango passes the model and train_config itself.
+    parameters = _accepted_keys(engine_class.__init__, ("self", "train_config", "model"))
+    if parameters is None:
         return  # an engine that takes any key
+    taken = list(parameters)
     for key in engine:
         if key != "type" and key not in taken:
             raise _not_an_option(f"training_engine.{key}", f"the {type_name!r} engine", key, taken)
@@ -331,54 +332,75 @@ def _not_an_option(field: str, owner: str, key: str, options: List[str]) -> Conf
 def check_model_keys(model: Any) -> None:
     """
     Every key of each registered model constructor in the step's model config (the model, and
-    the models nested in it, such as ``fairscale::with_lora``'s ``model``) is an argument of that
+    the models given to it, such as ``fairscale::with_lora``'s ``model``) is an argument of that
     constructor. Tango says a misspelt one as "Extra parameters passed to Model: {...}", naming
     neither the constructor nor where in the config it is.
     """
-    for field, config in _model_configs(params_of(model), "model"):
-        type_name = config["type"]
-        parameters = _constructor_parameters(type_name) or []
-        for key in config:
-            if key != "type" and key not in parameters:
-                raise _not_an_option(f"{field}.{key}", repr(type_name), key, parameters)
+    _check_model_config(params_of(model), "model")
 
 
-def _model_configs(config: Any, field: str) -> List[Any]:
-    """
-    ``(field, config)`` of each part of ``config`` that names a registered model type whose
-    arguments :func:`_constructor_parameters` can read, outermost first.
-    """
-    found: List[Any] = []
+def _check_model_config(config: Any, field: str) -> None:
+    """:func:`check_model_keys` for the model config at ``field``, and the models it is given."""
     if isinstance(config, list):
         for index, item in enumerate(config):
-            found += _model_configs(item, f"{field}[{index}]")
-    elif isinstance(config, dict):
-        if isinstance(config.get("type"), str) and _constructor_parameters(config["type"]) is not None:
-            found.append((field, config))
-        for key, value in config.items():
-            found += _model_configs(value, f"{field}.{key}")
-    return found
+            _check_model_config(item, f"{field}[{index}]")
+        return
+    if not isinstance(config, dict) or not isinstance(config.get("type"), str):
+        return
+    type_name = config["type"]
+    parameters = _model_parameters(type_name)
+    if parameters is None:
+        return
+    for key in config:
+        if key != "type" and key not in parameters:
+            raise _not_an_option(f"{field}.{key}", repr(type_name), key, list(parameters))
+    for key, value in config.items():
+        if key != "type" and _may_hold_models(parameters[key].annotation):
+            _check_model_config(value, f"{field}.{key}")
 
 
-def _constructor_parameters(type_name: str) -> Optional[List[str]]:
+def _model_parameters(type_name: str) -> Optional[Dict[str, inspect.Parameter]]:
     """
-    The arguments a config may give the model type ``type_name`` (``model`` included), ``None``
-    where any key goes (a constructor taking ``**kwargs``) or the constructor is not plain Python.
+    The arguments a config may give the registered model type ``type_name``, by name; ``None``
+    where this check cannot know them: a name Tango would import or search for, a constructor
+    taking ``**kwargs``, or a class that reads its config itself (its own ``from_params``).
+    """
+    if type_name not in Model.list_available():
+        return None
+    try:
+        registered, method = Model.resolve_class_name(type_name, search_modules=False)
+    except Exception:  # noqa: BLE001 - not a name this check can read
+        return None
+    if method is not None:
+        return _accepted_keys(getattr(registered, method), ())
+    if isinstance(registered, type):
+        if getattr(registered.from_params, "__func__", None) is not Model.from_params.__func__:  # type: ignore[attr-defined]
+            return None
+        return _accepted_keys(registered.__init__, ("self",))
+    return _accepted_keys(registered, ())
+
+
+def _accepted_keys(constructor: Any, passed: Tuple[str, ...]) -> Optional[Dict[str, inspect.Parameter]]:
+    """
+    The arguments of ``constructor`` a config may give, by name (those in ``passed`` left out:
+    the caller gives them); ``None`` where it takes any (``**kwargs``) or has no signature.
     """
     try:
-        # Not Tango's search of every integration for a name it does not know: Tango's to report.
-        registered, method = Model.resolve_class_name(type_name, search_modules=False)
-        constructor: Any = registered
-        if method is not None:
-            constructor = getattr(registered, method)
-        elif isinstance(registered, type):
-            constructor = registered.__init__
         parameters = inspect.signature(constructor).parameters
-    except Exception:  # noqa: BLE001 - not a model type this check can read
+    except (TypeError, ValueError):
         return None
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
         return None
-    return [name for name in parameters if name not in ("self", "cls")]
+    return {name: parameter for name, parameter in parameters.items() if name not in passed}
+
+
+def _may_hold_models(annotation: Any) -> bool:
+    """Whether an argument so annotated may be given models (``Model``, ``Lazy[Model]``, lists of them)."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return True  # unknown (or a string to resolve): look inside
+    if isinstance(annotation, type):
+        return issubclass(annotation, Model)
+    return any(_may_hold_models(argument) for argument in typing.get_args(annotation))
 
 
 #: How to write what the engine cannot go without, for the message that says it is missing.

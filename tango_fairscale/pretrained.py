@@ -375,7 +375,9 @@ def _load_files(model: nn.Module, directory: Path, source: str) -> None:
 def from_pretrained(
     pretrained_model_name_or_path: str,
     auto_class: str = "AutoModelForCausalLM",
-    config_overrides: Optional[Dict[str, Any]] = None,
+    # A plain dict: under Dict[str, Any] Tango reads a nested dict with a "type" key (Llama's
+    # rope_scaling: {"type": "linear", ...}) as an object to construct, and fails.
+    config_overrides: Optional[dict] = None,  # type: ignore[type-arg]
 ) -> nn.Module:
     """
     A pretrained ``transformers`` model, by ``auto_class`` (``"AutoModelForCausalLM"`` by

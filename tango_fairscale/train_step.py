@@ -34,7 +34,6 @@ from . import launch as launching
 from .callbacks import RestoreRandomState
 from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
-from .cpu.threads import choose_threads
 from .devices import devices_are_cpu
 from .errors import CheckpointError, refused, worker_checkpoint_error
 from .launch.signals import end_quietly_on_signals
@@ -145,8 +144,7 @@ def _run_step(
     # read only at a start).
     workers_env = {}
     if options is not None and devices_are_cpu(devices):
-        threads = choose_threads(options.cpu_threads_per_worker, os.environ, len(devices or ()))
-        workers_env = cpu_worker_environment(os.environ, threads.threads)
+        workers_env = cpu_worker_environment(os.environ, options.cpu_threads_per_worker, len(devices or ()))
     # (i) T4: a worker that ignores SIGTERM after another failed is killed sooner, in the spawns
     # of this step only.
     with launching.environment(workers_env), compat.spawn_grace():

@@ -14,7 +14,7 @@ from typing import Iterator, Tuple
 import pytest
 
 from tango_fairscale.cpu.memory import HUGE_PAGES_TUNABLE, cpu_worker_environment, malloc_advises_huge_pages
-from tango_fairscale.cpu.threads import available_cores, blas_environment, blas_threads
+from tango_fairscale.cpu.threads import available_cores
 from tango_fairscale.metrics import read_metrics
 from tests.conftest import ToyRun
 from tests.helpers import ConcurrentProcesses, python_command, train_work_dir
@@ -23,13 +23,13 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def test_huge_pages_are_added_to_the_workers_tunables() -> None:
-    assert cpu_worker_environment({}, 2) == {
+    assert cpu_worker_environment({}, 2, 4) == {
         "GLIBC_TUNABLES": f"{HUGE_PAGES_TUNABLE}=1",
         "OPENBLAS_NUM_THREADS": "2",
     }
     # The user's other tunables are kept, and the user's BLAS threads (tests/test_threads.py).
     user = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "OMP_NUM_THREADS": "4"}
-    assert cpu_worker_environment(user, 2) == {
+    assert cpu_worker_environment(user, None, 2) == {
         "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}=1"
     }
 
@@ -37,7 +37,10 @@ def test_huge_pages_are_added_to_the_workers_tunables() -> None:
 @pytest.mark.parametrize("value", ["0", "1", "2"])
 def test_a_huge_pages_setting_of_the_user_is_left_alone(value: str) -> None:
     env = {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}={value}"}
-    assert cpu_worker_environment(env, 1) == {"OPENBLAS_NUM_THREADS": "1"}
+    assert cpu_worker_environment(env, 1, 2) == {"OPENBLAS_NUM_THREADS": "1"}
+    # Without the option, the worker's share of the cores (tests/test_threads.py).
+    share = str(max(1, available_cores() // 2))
+    assert cpu_worker_environment(env, None, 2) == {"OPENBLAS_NUM_THREADS": share}
     # 2 asks glibc for hugetlbfs pages, which it does not advise as transparent huge pages.
     assert malloc_advises_huge_pages(env) is (value == "1")
 
@@ -130,7 +133,7 @@ def scripts() -> Iterator[ConcurrentProcesses]:
     plain = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES"}
     processes = ConcurrentProcesses(
         {
-            "advised": python_command(TOUCH_AND_COUNT, env={**plain, **cpu_worker_environment(plain, 1)}),
+            "advised": python_command(TOUCH_AND_COUNT, env={**plain, **cpu_worker_environment(plain, 1, 1)}),
             "default": python_command(TOUCH_AND_COUNT, env=plain),
             "long_lived": python_command(
                 WHERE_TENSORS_LAND,
@@ -171,11 +174,10 @@ def test_the_workers_of_a_tango_run_advise_huge_pages_and_start_their_blas_threa
     (run_line,) = [line for line in lines if line["kind"] == "run"]
     assert skipped == 0
     assert run_line["malloc_huge_pages"] is True
-    # And OpenBLAS was told the worker's share of the cores (tests/test_threads.py), where the
-    # user's environment chose nothing.
+    # And OpenBLAS was told the worker's share of the cores (tests/test_threads.py): the run's
+    # environment sets none of its variables (tests.helpers.tango_env).
     share = max(1, available_cores() // 2)
-    assert run_line["threads"]["intra_op"] == share
-    assert run_line["threads"]["blas"] == blas_threads({**os.environ, **blas_environment(os.environ, share)})
+    assert run_line["threads"] == {"intra_op": share, "source": "share of cores", "blas": share}
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")

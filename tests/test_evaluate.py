@@ -19,7 +19,7 @@ from tango.common.dataset_dict import DatasetDict
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model, TrainingEngine
 
-from tango_fairscale.evaluate import Evaluate, TokenLoss, evaluate_sharded
+from tango_fairscale.evaluate import Evaluate, TokenLoss, evaluate_model, evaluate_sharded
 from tango_fairscale.text_data import TokenizeText
 from tests import harness
 from tests.helpers import run_tango, train_config, train_work_dir
@@ -270,6 +270,10 @@ def test_evaluation_in_one_process_is_the_mean_token_loss(pretrained: Path) -> N
     data = dataset(pretrained)
     model = Lazy(Model, Params(gpt2_config(pretrained, wrapped=False)))
     result = Evaluate().run(model=model, dataset_dict=data, split="validation", batch_size=4)
+    # GPT-2's loss named as the engine names it: transformers does not warn that it guessed it.
+    built = hf_model(pretrained)
+    evaluate_model(built, data["validation"][:1], 1)
+    assert built.loss_type == "ForCausalLM"
     blocks = data["validation"]
     expected = token_loss_by_hand(hf_model(pretrained), blocks)
     assert abs(result["loss"] - expected) <= TOLERANCE, (result, expected)

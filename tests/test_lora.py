@@ -192,7 +192,8 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
         (
             {"target_modules": ["c_attn"]},
             "The model's layers that can take adapters are named: down_proj, embed_tokens, gate_proj, "
-            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (a name in target_modules matches the end",
+            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (target_modules as a name in the list matches "
+            "the end of a module's dotted name)",
         ),
     ],
 )
@@ -216,6 +217,8 @@ def test_options_from_a_config_as_peft_takes_them(pretrained: Path) -> None:
     from tango.common.exceptions import ConfigurationError
     from tango.integrations.torch import Model
 
+    from tango_fairscale.preflight import check_model_keys
+
     base = {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(pretrained)}
     regex = r"model\.layers\.0\.self_attn\.(q|v)_proj"
     built = Lazy(
@@ -225,6 +228,22 @@ def test_options_from_a_config_as_peft_takes_them(pretrained: Path) -> None:
     assert adapted == [
         f"base_model.model.model.layers.0.self_attn.{name}.lora_A" for name in ("q_proj", "v_proj")
     ]
+    # A regex matching nothing: the hint says how a regex matches.
+    with pytest.raises(ConfigurationError) as error:
+        Lazy(
+            Model, Params({"type": "fairscale::with_lora", "model": base, "target_modules": "q_proj"})
+        ).construct()
+    assert "(target_modules as a regex, it must match a module's whole dotted name" in str(error.value)
+    # A misspelt option, named before anything is built (pre-flight).
+    misspelt = {"type": "fairscale::with_lora", "model": base, "target_module": ["q_proj"]}
+    with pytest.raises(ConfigurationError) as error:
+        check_model_keys(Lazy(Model, Params(misspelt)))
+    assert str(error.value) == (
+        "model.target_module: not an option of 'fairscale::with_lora': did you mean 'target_modules'?"
+    )
+    # A config override holding a "type" key (Llama's rope_scaling) reaches the model's config.
+    scaled = {**base, "config_overrides": {"rope_scaling": {"type": "linear", "factor": 2.0}}}
+    assert Lazy(Model, Params(scaled)).construct().config.rope_scaling["factor"] == 2.0
     with pytest.raises(ConfigurationError) as error:
         Lazy(
             Model, Params({"type": "fairscale::with_lora", "model": base, "modules_to_save": "lm_head"})

@@ -452,6 +452,10 @@ def test_frozen_parameters_get_no_gradient_or_optimizer_state() -> None:
     assert state["optimizer_state"] == 2 * state["gradients"]
     assert state["parameters"] > 50 * state["gradients"]
     assert result.peak() is not None
+    # FairScale's bucket as the backend sizes it: the adapters' gradients (KiBs) in its least, 1 MiB.
+    assert result.bucket_cap_mb == 1
+    _, parts = result.peak_components()
+    assert parts["gathered_gradients"] is not None and parts["gathered_gradients"] < 4 << 20
 
 
 @pytest.mark.parametrize(

@@ -629,7 +629,11 @@ def test_consolidate_format_hf_writes_the_engines_export(
     assert cli.main(["consolidate", str(work_dir), str(tmp_path / "other"), "--format", "hf"]) == 2
     assert "--format hf needs --hf-config DIR" in capsys.readouterr().err
     # A --hf-config that is not there, or is not a model's directory, is named.
-    for bad, said in ((tmp_path / "nope", "does not exist"), (work_dir, "holds no config.json")):
+    for bad, said in (
+        (tmp_path / "nope", "does not exist"),
+        (work_dir, "holds no config.json"),
+        (pretrained / "config.json", "is a file"),
+    ):
         argv = [
             "consolidate",
             str(work_dir),

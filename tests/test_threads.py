@@ -130,7 +130,10 @@ def test_spawned_workers_start_openblas_with_their_threads_unless_the_user_chose
     assert blas_threads({"OMP_NUM_THREADS": "3"}) == 3
     assert blas_threads({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "2"}) == 2
     assert blas_threads({"GOTO_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
-    assert blas_threads({"OPENBLAS_NUM_THREADS": "4,2"}) is None
+    # As OpenBLAS reads them (C's atoi): leading digits, and 0 or nothing passes to the next one.
+    assert blas_threads({"OMP_NUM_THREADS": "4,2"}) == 4
+    assert blas_threads({"OPENBLAS_NUM_THREADS": "0", "OMP_NUM_THREADS": "3"}) == 3
+    assert blas_threads({"OPENBLAS_NUM_THREADS": "many"}) is None
 
 
 # numpy's OpenBLAS threads (the process's threads after importing it) and VmData.

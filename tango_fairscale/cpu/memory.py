@@ -7,7 +7,7 @@ import threading
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
-from .threads import blas_environment
+from .threads import blas_environment, choose_threads
 
 # glibc's mallopt parameter for the mmap threshold (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -177,12 +177,15 @@ def long_lived_allocations() -> Iterator[None]:
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 
 
-def cpu_worker_environment(env: Mapping[str, str], threads: int) -> Dict[str, str]:
+def cpu_worker_environment(
+    env: Mapping[str, str], cpu_threads_per_worker: Optional[int], workers_on_host: int
+) -> Dict[str, str]:
     """
-    What Tango's main process adds to the environment of the CPU workers it spawns for a step on
-    the ``"fairscale"`` engine (either backend), each computing with ``threads`` threads: glibc's
-    malloc advises transparent huge pages for its mappings (``GLIBC_TUNABLES``), and numpy's
-    OpenBLAS starts ``threads`` threads instead of one per core
+    What Tango's main process adds to the environment ``env`` of the ``workers_on_host`` CPU
+    workers it spawns for a step on the ``"fairscale"`` engine (either backend, and
+    ``fairscale::evaluate``'s), with the engine's ``cpu_threads_per_worker``: glibc's malloc
+    advises transparent huge pages for its mappings (``GLIBC_TUNABLES``), and numpy's OpenBLAS
+    starts the threads each worker computes with instead of one per core
     (:func:`~tango_fairscale.cpu.threads.blas_environment`: about 41 MiB of VmData per thread it
     does not start). Both are read only when a process starts, so only a spawned worker can have
     them.
@@ -201,6 +204,7 @@ def cpu_worker_environment(env: Mapping[str, str], threads: int) -> Dict[str, st
     (``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns this off); other tunables are kept. Linux only
     (elsewhere no tunable is added); a glibc older than 2.35, or another C library, ignores it.
     """
+    threads = choose_threads(cpu_threads_per_worker, env, workers_on_host).threads
     added = blas_environment(env, threads)
     if sys.platform.startswith("linux") and _tunable(env, HUGE_PAGES_TUNABLE) is None:
         tunables = env.get("GLIBC_TUNABLES", "")

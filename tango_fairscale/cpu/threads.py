@@ -35,6 +35,7 @@ before the pool exists.
 """
 
 import os
+import re
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -116,13 +117,14 @@ def blas_environment(env: Mapping[str, str], threads: int) -> Dict[str, str]:
 
 def blas_threads(env: Mapping[str, str] = os.environ) -> Optional[int]:
     """
-    The threads OpenBLAS was told to start with in ``env`` (the first of :data:`BLAS_VARIABLES`
-    set), ``None`` where none is set (OpenBLAS's default: one per core) or the value is not a
-    whole number.
+    The threads OpenBLAS was told to start with in ``env``, read as OpenBLAS reads it: each of
+    :data:`BLAS_VARIABLES` with C's ``atoi`` (its leading digits: ``"4,2"`` is 4), the first above
+    0 winning; ``None`` where none is (OpenBLAS's default: one per core).
     """
     for name in BLAS_VARIABLES:
-        if env.get(name, "").strip():
-            return _positive_int(env[name])
+        digits = re.match(r"\s*\+?(\d+)", env.get(name, ""))
+        if digits is not None and int(digits.group(1)) > 0:
+            return int(digits.group(1))
     return None
 
 

@@ -7,7 +7,7 @@ for another number of workers by :mod:`.resharding`'s arithmetic.
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_para
 from ..base import Backend, LoadedCheckpoint, ModelSource
 from ..lookup import check_written_by, holds_worker_files
 from . import flat_groups
+from .bucketing import sufficient_bucket_cap_mb
 from .resharding import (
     ConsolidatedModel,
     check_same_parameter_shapes,
@@ -100,7 +101,13 @@ class FairScaleBackend(Backend):
         if not worker_computes_on_cpu() and not root_config.move_params_to_cpu:
             model.to(context.train_config.worker_local_default_device)
         self.module_aliases = module_aliases(model)
-        return wrap(root_config, model)
+        root = wrap(root_config, model)
+        # FairScale makes the bucket all units share at the first forward, of the root's size:
+        # no larger than the gradients that go into it (bucketing.py), the same collectives.
+        configured = root.bucket_cap_mb
+        root.bucket_cap_mb = sufficient_bucket_cap_mb(configured, reduced_gradients(root))
+        logger.debug("Reduce-scatter bucket: %s MiB (bucket_cap_mb %s)", root.bucket_cap_mb, configured)
+        return root
 
     def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
         # Loss scaling exists for float16's narrow range; bfloat16 has float32's.
@@ -439,6 +446,24 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
 def is_unit(module: nn.Module) -> bool:
     """Whether ``module`` is already a FairScale FSDP unit (materialising skips what is inside one)."""
     return isinstance(module, FSDP)
+
+
+def reduced_gradients(root: FSDP) -> Iterator[Tuple[int, int, int]]:
+    """
+    ``(numel, element size, workers)`` of each gradient FairScale reduce-scatters in a backward of
+    ``root`` (:func:`~.bucketing.sufficient_bucket_cap_mb`): every sharded trainable flat
+    parameter's, whole, in the dtype it is reduced in (the compute dtype under mixed precision,
+    unless ``fp32_reduce_scatter``), over its unit's reduce-scatter group.
+    """
+    for unit in root.modules():
+        if not isinstance(unit, FSDP):
+            continue
+        workers = unit.process_group_reduce_scatter.size()
+        low_precision = unit.mixed_precision and not unit.fp32_reduce_scatter
+        for param in unit.params:
+            if param.requires_grad and getattr(param, "_is_sharded", False):
+                dtype = unit.compute_dtype if low_precision else param.dtype
+                yield param._orig_size.numel(), torch.empty((), dtype=dtype).element_size(), workers
 
 
 def wrap(config: FSDPConfig, module: nn.Module) -> FSDP:
