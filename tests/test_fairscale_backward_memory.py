@@ -69,10 +69,16 @@ def train_fsdp(worker: harness.Worker, work_dir: Path, early: bool) -> Dict[str,
     if not early:
         for wrapper in wrappers:
             wrapper._early_release_unit = None
+    # Each worker's shards after training: the same bits with F8 on and off.
+    return profiled_steps(worker, engine, config, STEPS)
+
+
+def profiled_steps(worker: harness.Worker, engine: Any, config: Dict[str, Any], steps: int) -> Dict[str, Any]:
+    """``steps`` steps of ``engine``: each loss, each backward's peak tensor memory, the shards after."""
     batches = worker.batches(config)
     losses: List[float] = []
     peaks: List[int] = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         (micro_batch,) = next(batches)
         loss, _ = engine.forward_train(micro_batch, 0, 1)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
@@ -80,7 +86,6 @@ def train_fsdp(worker: harness.Worker, work_dir: Path, early: bool) -> Dict[str,
         peaks.append(backward_peak_bytes(profiled))
         engine.step()
         losses.append(loss.item())
-    # Each worker's shards after training: the same bits with F8 on and off.
     shards = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
     return {"losses": losses, "peaks": peaks, "shards": shards}
 
@@ -271,19 +276,7 @@ def train_lora_bucket(worker: harness.Worker, pretrained: str, work_dir: str, ca
     chosen = engine.model.bucket_cap_mb
     if cap:
         engine.model.bucket_cap_mb = cap
-    batches = worker.batches(config)
-    losses: List[float] = []
-    peaks: List[int] = []
-    for _ in range(LORA_STEPS):
-        (micro_batch,) = next(batches)
-        loss, _ = engine.forward_train(micro_batch, 0, 1)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
-            engine.backward(loss)
-        peaks.append(backward_peak_bytes(profiled))
-        engine.step()
-        losses.append(loss.item())
-    shards = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
-    return {"chosen": chosen, "losses": losses, "peaks": peaks, "shards": shards}
+    return {"chosen": chosen, **profiled_steps(worker, engine, config, LORA_STEPS)}
 
 
 def compare_lora_buckets(worker: harness.Worker, pretrained: str, work_dir: str) -> Dict[str, Any]:
