@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -860,6 +861,44 @@ _spawn_grace_local = threading.local()
 def _spawn_grace_depth() -> int:
     depth: int = getattr(_spawn_grace_local, "depth", 0)
     return depth
+
+
+@contextmanager
+def final_weights_from_disk(path: Path, load_final_weights: Callable[..., Any]) -> Iterator[None]:
+    """
+    T7: inside, this thread's ``torch.load`` of ``path`` (Tango's load of the step's
+    ``weights.pt`` into the step's result, in its main process, after the workers) goes to
+    ``load_final_weights(torch.load, path, ...)``
+    (:func:`tango_fairscale.step_result.load_final_weights`: the tensors views of a shared
+    mapping of a private copy, not a private copy in memory). Every other load, and every other
+    thread's, is passed through unchanged; ``torch.load`` is restored when the block ends.
+    Tango's ``_train`` calls ``torch.load`` as an attribute of the ``torch`` module, so only that
+    name reaches it. The step's logic opens it around Tango's ``_train``
+    (:func:`tango_fairscale.train_step.run_step`).
+    """
+    _require_attributes(torch, ("load",), "T7")
+    _require_attributes(torch.serialization, ("set_default_mmap_options",), "T7")
+    original = torch.load
+    target = Path(path).resolve()
+    thread = threading.get_ident()
+
+    @functools.wraps(original)
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if (
+            threading.get_ident() == thread
+            and isinstance(f, (str, os.PathLike))
+            and Path(f).resolve() == target
+            and not kwargs.get("mmap")
+        ):
+            return load_final_weights(original, Path(f), *args, **kwargs)
+        return original(f, *args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        if torch.load is load:
+            torch.load = original
 
 
 @contextmanager

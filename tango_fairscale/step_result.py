@@ -12,8 +12,14 @@ same weights, tied parameters still tied, loadable the way Tango loads step resu
 """
 
 import logging
+import mmap
+import os
+import shutil
+import sys
+import tempfile
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 import torch.nn as nn
@@ -161,3 +167,54 @@ def finish_result(model: Any) -> Any:
             )
             materialize_module(model, torch.device("cpu"))
     return model
+
+
+#: ``statfs``'s ``f_type`` of tmpfs, whose files are memory: a copy there would be RAM, not disk.
+_TMPFS_MAGIC = 0x01021994
+
+
+def _on_tmpfs(directory: Path) -> bool:
+    """Whether ``directory`` is on tmpfs (``/proc/self/mountinfo``'s longest mount point above it)."""
+    best, fstype = "", ""
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            mount_point, after = fields[4], fields[fields.index("-") + 1 :]
+            inside = str(directory) == mount_point or str(directory).startswith(mount_point.rstrip("/") + "/")
+            if inside and len(mount_point) >= len(best):
+                best, fstype = mount_point, after[0]
+    except (OSError, ValueError, IndexError):
+        return True  # unknown: take it for memory
+    return fstype == "tmpfs"
+
+
+def load_final_weights(load: Callable[..., Any], path: Path, *args: Any, **kwargs: Any) -> Any:
+    """
+    Tango's ``torch.load`` of ``weights.pt`` in its main process, for the step's result: every
+    tensor a view of a shared mapping of a private copy of the file, so that the trained model
+    the step returns and caches is backed by the disk (page cache the kernel can write back and
+    drop) instead of the process's private memory. That model is the main process's one large
+    allocation: 4 bytes per parameter, whatever the number of workers (a LoRA run's frozen base
+    included), which made Tango's main process the first to run out under a per-process limit.
+
+    The copy, in ``weights.pt``'s directory, is unlinked as soon as it is mapped: nobody else sees
+    it, the step's ``weights.pt`` is never written through the mapping (a later in-place write to
+    the model, such as peft's ``merge_and_unload``, changes the copy), and its disk space is freed
+    when the model is. Where that cannot be done as it should, ``load`` (torch's own) reads the
+    file into memory as before: not on Linux, a directory on tmpfs (the copy would be memory too),
+    or a copy that fails (a full disk: logged).
+    """
+    path = Path(path)
+    if not sys.platform.startswith("linux") or _on_tmpfs(path.resolve().parent):
+        return load(path, *args, **kwargs)
+    handle, name = tempfile.mkstemp(prefix=".weights-mapped-", suffix=".pt", dir=path.parent)
+    os.close(handle)
+    try:
+        shutil.copyfile(path, name)
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            return load(name, *args, **{**kwargs, "mmap": True})
+    except (OSError, RuntimeError) as error:
+        logger.warning("Reading %s into memory: mapping a copy of it failed (%s)", path, error)
+        return load(path, *args, **kwargs)
+    finally:
+        os.unlink(name)

@@ -22,6 +22,7 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 import dataclasses
 import logging
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -39,7 +40,7 @@ from .errors import CheckpointError, refused, worker_checkpoint_error
 from .launch.signals import end_quietly_on_signals
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
-from .step_result import FinalModelOnMeta, finish_result, spawned_workers_result
+from .step_result import FinalModelOnMeta, finish_result, load_final_weights, spawned_workers_result
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,14 @@ def _run_step(
     if options is not None and devices_are_cpu(devices):
         workers_env = cpu_worker_environment(os.environ, options.cpu_threads_per_worker, len(devices or ()))
     # (i) T4: a worker that ignores SIGTERM after another failed is killed sooner, in the spawns
-    # of this step only.
-    with launching.environment(workers_env), compat.spawn_grace():
+    # of this step only. (j) T7: the step's result takes weights.pt's tensors from the disk
+    # (a shared mapping of a private copy), not into this process's memory.
+    with ExitStack() as stack:
+        stack.enter_context(launching.environment(workers_env))
+        stack.enter_context(compat.spawn_grace())
+        if on_fairscale:
+            final_weights = Path(step.work_dir) / "weights.pt"
+            stack.enter_context(compat.final_weights_from_disk(final_weights, load_final_weights))
         return _train_distributed(step, launch, original, args, kwargs)
 
 

@@ -215,3 +215,77 @@ def test_preflight_init_on_meta_check_leaves_no_heap_behind(tmp_path: Path) -> N
     weights = (wide / "model.safetensors").stat().st_size
     growth, _ = _growth_over_build("preflight", str(wide), str(tiny), str(weights))
     assert growth < weights / 20, (growth, weights)
+
+
+# In a fresh process: VmData growth of loading a 256 MiB state dict the step result's way
+# (load_final_weights) and torch's; then an in-place write to a loaded tensor.
+_LOAD_FINAL = """
+import sys
+from pathlib import Path
+import torch
+from tango_fairscale.step_result import load_final_weights
+
+def vm_data():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+
+path = Path(sys.argv[1])
+before = vm_data()
+mapped = load_final_weights(torch.load, path, map_location="cpu")
+grown_mapped = vm_data() - before
+before = vm_data()
+private = torch.load(path, map_location="cpu")
+grown_private = vm_data() - before
+assert all(torch.equal(mapped[k], private[k]) for k in private)
+mapped["w0"].add_(1.0)  # written through the mapping: into its private copy, not the file
+left = sorted(p.name for p in path.parent.iterdir())
+print(grown_mapped, grown_private, ",".join(left))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared mappings and VmData: Linux")
+def test_the_step_result_takes_its_weights_from_the_disk_not_memory(tmp_path: Path) -> None:
+    """
+    T7's load (step_result.load_final_weights): weights.pt's tensors as views of a shared mapping
+    of a private copy of the file: the same values, none of them in the process's private memory
+    (what RLIMIT_DATA counts), written without changing weights.pt, the copy gone from the directory.
+    """
+    from tango_fairscale.step_result import _on_tmpfs
+
+    if _on_tmpfs(tmp_path):
+        pytest.skip("the test's directory is on tmpfs, where the load reads into memory")
+    weights = {f"w{i}": torch.randn(1 << 20) for i in range(64)}  # 256 MiB
+    path = tmp_path / "work" / "weights.pt"
+    path.parent.mkdir()
+    torch.save(weights, path)
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_FINAL, str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    grown_mapped, grown_private, left = result.stdout.split()
+    mapped_mib, read_mib = int(grown_mapped) >> 20, int(grown_private) >> 20
+    print(f"VmData growth loading 256 MiB: {mapped_mib} MiB mapped, {read_mib} MiB read")
+    assert int(grown_private) >= 256 << 20
+    assert int(grown_mapped) < 8 << 20
+    assert left == "weights.pt"  # the copy was unlinked once mapped
+    assert all(torch.equal(v, weights[k]) for k, v in torch.load(path, weights_only=True).items())
+
+
+def test_on_tmpfs_the_step_result_reads_its_weights_into_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy on tmpfs would be memory as well: the load reads the file as torch does, and copies nothing."""
+    from tango_fairscale import step_result
+
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    loads = []
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        loads.append((Path(f), kwargs.get("mmap")))
+        return torch.load(f, *args, **kwargs)
+
+    monkeypatch.setattr(step_result, "_on_tmpfs", lambda directory: True)
+    loaded = step_result.load_final_weights(load, path, map_location="cpu")
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+    assert loads == [(path, None)] and sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]
