@@ -279,6 +279,15 @@ def check_model(
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
         return
     require_parameters(built)
+    if not any(param.requires_grad for param in built.parameters()):
+        # Tango's first backward would fail in every worker ("element 0 of tensors does not
+        # require grad"), after the baseline validation.
+        count = sum(1 for _ in built.parameters())
+        raise ConfigurationError(
+            f"model: none of its {count} parameters trains (every one has requires_grad=False): there "
+            "is nothing to train. Leave some unfrozen in the model's constructor (requires_grad_(True)), "
+            "or use fairscale::evaluate to evaluate a model without training it."
+        )
     if export_hf is not None:
         check_export_hf_model(built)
     if init_on_meta and isinstance(model, Lazy):

@@ -545,6 +545,21 @@ def peft_lora(pretrained: str, r: int = 4, target_modules: Sequence[str] = ("q_p
     return get_peft_model(base, config)  # type: ignore[no-any-return]
 
 
+@Model.register("test::llama_frozen_below")
+def llama_frozen_below(pretrained: str, layers: int) -> Model:
+    """
+    Partial fine-tuning by hand: a pretrained Llama with its embeddings (tied to its head) and its
+    first ``layers`` decoder layers frozen.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(pretrained, attention_dropout=0.0)
+    model.model.embed_tokens.requires_grad_(False)
+    for layer in model.model.layers[:layers]:
+        layer.requires_grad_(False)
+    return model  # type: ignore[no-any-return]
+
+
 @Model.register("test::skips_a_block_on_worker_1")
 class SkipsABlockOnWorker1(Model):
     """The toy regressor whose forward skips its second block on worker 1 only (a data-dependent branch)."""

@@ -74,7 +74,8 @@ def toy_run(tmp_path_factory: pytest.TempPathFactory) -> ToyRun:
     """
     ``toy_run(engine, wrap, backend=None, grad_accum=1, accumulate_locally=False)``: the workspace
     of a finished ``tango run`` of :func:`toy_experiment` with those settings, run once per
-    session and shared by the tests that compare runs through the CLI.
+    session and shared by the tests that compare runs through the CLI; its output is in
+    ``output.txt`` beside it.
     """
     from tests.helpers import run_tango
 
@@ -84,7 +85,9 @@ def toy_run(tmp_path_factory: pytest.TempPathFactory) -> ToyRun:
         key = _key(*args, **kwargs)
         if key not in runs:
             root = tmp_path_factory.mktemp(f"run_{_name(key)}")
-            run_tango(toy_experiment(*key), root / "ws", cwd=root / "cwd")
+            result = run_tango(toy_experiment(*key), root / "ws", cwd=root / "cwd")
+            # What the user saw, beside the workspace (tests/test_quiet_output.py reads it).
+            (root / "output.txt").write_text(result.stdout + result.stderr)
             runs[key] = root / "ws"
         return runs[key]
 

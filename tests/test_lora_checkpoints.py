@@ -200,3 +200,60 @@ def test_a_lora_checkpoint_resumes_on_another_number_of_workers(backend: str, tm
             assert not torch.equal(resumed[key], saved[key]), key  # two more steps trained them
         else:
             assert torch.equal(resumed[key], _file_tensor(files, key)), key
+
+
+def _frozen_below(pretrained: Path, backend: str, layers: int, steps: int) -> Dict[str, Any]:
+    model = {
+        "type": "fairscale::with_wrapped_modules",
+        "model": {"type": "test::llama_frozen_below", "pretrained": str(pretrained), "layers": layers},
+        "wrap_module_classes": ["LlamaDecoderLayer"],
+        "fsdp_config": {},
+    }
+    config = train_config(
+        engine="fairscale",
+        model=model,
+        train_steps=steps,
+        checkpoint_every=2,
+        callbacks=[],
+        engine_extra={"backend": backend, "init_on_meta": True},
+    )
+    config["steps"]["train"]["training_engine"]["optimizer"] = {"type": "torch::AdamW", "lr": 0.01}
+    config["steps"]["data"] = {"type": "test::lm_data", "vocab_size": LLAMA["vocab_size"], "size": 64}
+    return config
+
+
+@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
+def test_resuming_with_more_of_the_model_frozen_keeps_what_the_checkpoint_trained(
+    backend: str, tmp_path: Path
+) -> None:
+    """
+    Staged freezing: a run trains layers 1 and 2 (layer 0 and the embeddings frozen, read from the
+    pretrained files), and a second resumes its checkpoint with layer 1 frozen too. Layer 1 keeps
+    the first run's trained values in the second's weights.pt and checkpoints; before, they were
+    left to the pretrained files (frozen and read from them), and weights.pt reverted it silently.
+    """
+    pretrained = save_tiny_llama(tmp_path / "llama", {**LLAMA, "num_hidden_layers": 3}, seed=2)
+    harness.train(_frozen_below(pretrained, backend, layers=1, steps=2), tmp_path / "first")
+    second = _frozen_below(pretrained, backend, layers=2, steps=4)
+    second["steps"]["train"]["training_engine"]["resume_from_checkpoint"] = str(
+        tmp_path / "first" / "checkpoint_state_step2"
+    )
+    harness.train(second, tmp_path / "second")
+    first = torch.load(tmp_path / "first" / "weights.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "second" / "weights.pt", weights_only=True)
+    files = load_file(pretrained / "model.safetensors")
+    layer = [key for key in resumed if key.startswith("model.layers.1.") and key.endswith(".weight")]
+    assert layer
+    for key in layer:
+        assert torch.equal(resumed[key], first[key]), key  # frozen since the checkpoint
+        assert not torch.equal(resumed[key], files[key]), key  # trained before it
+    for key in [key for key in resumed if key.startswith("model.layers.0.")] + ["model.embed_tokens.weight"]:
+        assert torch.equal(resumed[key], files[key]), key  # frozen all along: the pretrained tensors
+    for key in [key for key in resumed if key.startswith("model.layers.2.")]:
+        assert not torch.equal(resumed[key], first[key]), key  # two more steps trained it
+    # The second run's checkpoints hold layer 1: its marker leaves only layer 0 and the
+    # embeddings to the pretrained files.
+    marker = json.loads((tmp_path / "second" / "checkpoint_state_step4" / "COMPLETE.json").read_text())
+    named = set(marker[pretrained_base.MARKER_FIELD]["tensors"])
+    assert not [name for name in named if name.startswith("model.layers.1.")]
+    assert [name for name in named if name.startswith("model.layers.0.")]

@@ -11,6 +11,9 @@ from typing import List
 import pytest
 import torch
 
+from tests.conftest import ToyRun
+from tests.test_equivalence import CLI_WRAP
+
 pytest.importorskip("transformers")
 
 
@@ -75,3 +78,15 @@ def test_fairscales_grad_scaler_deprecation_is_silenced_only_there() -> None:
         # The same warning raised from anywhere else is still shown.
         torch.cuda.amp.GradScaler(enabled=False)
         assert [w for w in caught if deprecated in str(w.message)]
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_a_tango_run_on_either_backend_prints_no_warning(backend: str, toy_run: ToyRun) -> None:
+    """
+    The toy run through the CLI (tests/test_equivalence.py's) says nothing that is a warning: the
+    torch backend's collectives called torch's deprecated all-gather and reduce-scatter names, a
+    FutureWarning in every worker of every run.
+    """
+    output = (toy_run("fairscale", CLI_WRAP, backend).parent / "output.txt").read_text()
+    warnings = [line for line in output.splitlines() if "Warning" in line or "WARNING" in line]
+    assert not warnings, "\n".join(warnings)

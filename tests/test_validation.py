@@ -290,6 +290,16 @@ CASES += [
         True,
     ),
     (
+        "every parameter frozen",
+        lambda config: train(config)["model"]["model"].update(
+            type="test::partly_frozen_regressor", frozen=[""]
+        ),
+        "ConfigurationError",
+        "model: none of its 12 parameters trains (every one has requires_grad=False): there is nothing "
+        "to train",
+        True,
+    ),
+    (
         "a misspelt option of fairscale::with_wrapped_modules",
         lambda config: train(config)["model"].update(wrap_module_class=["Block"]),
         "ConfigurationError",

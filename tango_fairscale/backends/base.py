@@ -139,6 +139,16 @@ class Backend(ABC):
         self.base = pretrained_base.frozen_base(model) if self.context.init_on_meta else None
         self.adapter_config = adapter_config_of(model)
 
+    def note_resumed(self, marker: Mapping[str, Any]) -> None:
+        """
+        After a checkpoint of ``marker`` is loaded: the frozen base is what it named as its base
+        too (:meth:`~tango_fairscale.checkpointing.pretrained_base.PretrainedBase.after_resuming`).
+        A parameter frozen now that the checkpoint held was trained by the run that saved it:
+        left to the pretrained files, ``weights.pt`` and the export would have reverted it.
+        """
+        if self.base is not None:
+            self.base = self.base.after_resuming(marker)
+
     def model_fields(self) -> Dict[str, Any]:
         """The marker's fields about the model (its pretrained base, its adapter); for a host's leader."""
         fields: Dict[str, Any] = {}

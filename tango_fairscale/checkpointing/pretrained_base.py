@@ -65,6 +65,29 @@ class PretrainedBase:
     def files(self) -> Set[str]:
         return {path for path, _ in self.tensors.values()}
 
+    def after_resuming(self, marker: Mapping[str, Any]) -> Optional["PretrainedBase"]:
+        """
+        The base once the checkpoint of ``marker`` is loaded: only the parameters that checkpoint
+        named as its frozen base too. Any other the checkpoint held a value for, which the run
+        that saved it may have trained (resumed now with more of the model frozen): no longer
+        the pretrained tensor, it is saved from now on, never read back from the files.
+        ``None`` when nothing is left.
+        """
+        saved = saved_base(marker)
+        named = set(saved["tensors"]) if saved else set()
+        kept = {name: origin for name, origin in self.tensors.items() if name in named}
+        if len(kept) == len(self.tensors):
+            return self
+        dropped = sorted(set(self.tensors) - set(kept))
+        logger.info(
+            "The checkpoint holds %d frozen parameter(s) that this model reads from pretrained files "
+            "(%s%s): its values are kept, and saved in the checkpoints from now on.",
+            len(dropped),
+            ", ".join(dropped[:3]),
+            " ..." if len(dropped) > 3 else "",
+        )
+        return PretrainedBase(kept, self.order) if kept else None
+
 
 def frozen_base(model: nn.Module, clean: Any = None) -> Optional[PretrainedBase]:
     """

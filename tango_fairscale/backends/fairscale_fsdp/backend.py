@@ -317,6 +317,7 @@ class FairScaleBackend(Backend):
                     worker,
                 )
             )
+        self.note_resumed(marker)
         return LoadedCheckpoint(states, saved_random_state, resharded=saved_world_size != world_size)
 
     def _kept_base(

@@ -147,6 +147,7 @@ class TorchBackend(Backend):
                 world_size,
             )
         random_state = states.pop("random_state", None)
+        self.note_resumed(marker)
         return LoadedCheckpoint(states, None if resharded else random_state, resharded=resharded)
 
     def write_weights(self, checkpoint_dir: Path, weights_path: Path) -> None:

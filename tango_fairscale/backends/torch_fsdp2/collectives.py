@@ -31,6 +31,13 @@ from ...cpu.collectives import GlooCollectives, ring_compatible
 from ...cpu.memory import long_lived_allocations
 from ...cpu.timing import timed
 
+#: torch's all-gather into one tensor and reduce-scatter from one: ``all_gather_single`` and
+#: ``reduce_scatter_single`` in torch 2.13, which deprecates ``all_gather_into_tensor`` and
+#: ``reduce_scatter_tensor`` with a FutureWarning per worker (the older names are what torch 2.11,
+#: on the GPU machines, has).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class UnitBuffer:
     """
@@ -130,7 +137,7 @@ class CollectiveAgreement:
         everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64)
         # gloo's own collective of a fixed size: it applies the group's timeout (collective_timeout),
         # and it costs about a small all-reduce, a fraction of a ring transfer's wait.
-        dist.all_gather_into_tensor(everyone, mine, group=group)
+        _all_gather_single(everyone, mine, group=group)
         for index, theirs in enumerate(everyone.view(world_size, -1)):
             if not torch.equal(theirs, mine):
                 raise CollectiveMismatchError(
@@ -177,7 +184,7 @@ class RingAllGather(AllGather):
         if not ring_compatible(pieces, input_tensor, world_size):
             with timed("all_gather"):
                 # Synchronous, like the ring: the shared buffer relies on it (UnitBuffer).
-                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+                _all_gather_single(output_tensor, input_tensor, group=group)
             return None
         GlooCollectives.all_gather(pieces, input_tensor, group=group)  # timed there
         return None  # done: FSDP2 waits only on a Work
@@ -263,7 +270,7 @@ class RingReduceScatter(ReduceScatter):
             if not (average or op == dist.ReduceOp.SUM) or not ring_compatible(
                 pieces, output_tensor, world_size
             ):
-                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+                _reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
             else:
                 GlooCollectives._reduce_scatter(output_tensor, pieces, dist.ReduceOp.SUM, group, False)
                 if average:
