@@ -1052,10 +1052,19 @@ LORA_CONFIGS: Dict[str, Tuple[Dict[str, Any], bool, str]] = {
     "fsdp_lora": ({}, True, "FairScale FSDP, LoRA r=8 on q_proj and v_proj, the base frozen"),
     "fsdp2_full": ({"backend": "torch"}, False, 'PyTorch FSDP2 (backend "torch"), full fine-tuning'),
     "fsdp2_lora": ({"backend": "torch"}, True, "PyTorch FSDP2, LoRA r=8 on q_proj and v_proj"),
+    # The same with each layer's activations checkpointed (recomputed in backward), as a run that
+    # fits the largest model it can is set up: LoRA's workers otherwise hold every layer's
+    # activations for the backward through the frozen base.
+    "fsdp_full_ckpt": ({}, False, "`fsdp_full` with each layer checkpointed"),
+    "fsdp_lora_ckpt": ({}, True, "`fsdp_lora` with each layer checkpointed"),
+    "fsdp2_full_ckpt": ({"backend": "torch"}, False, "`fsdp2_full` with each layer checkpointed"),
+    "fsdp2_lora_ckpt": ({"backend": "torch"}, True, "`fsdp2_lora` with each layer checkpointed"),
 }
 #: For first guesses (MemoryModel): a full fine-tune's 16 bytes per parameter sharded; a LoRA
 #: worker's frozen parameter, 4 bytes sharded (its adapters are a rounding error).
-STATE_BYTES.update({"fsdp_full": 16.0, "fsdp2_full": 16.0, "fsdp_lora": 4.0, "fsdp2_lora": 4.0})
+STATE_BYTES.update(
+    {name: 4.0 if lora else 16.0 for name, (_, lora, _) in LORA_CONFIGS.items()}
+)
 #: The main process's private memory besides the step's result (Python, torch, Tango,
 #: transformers and peft, the rendezvous store, the sampling): the first guess of a LoRA search.
 MAIN_RUNTIME_BYTES = 450 * MIB
@@ -1146,6 +1155,7 @@ def lora_experiment(
         "model": model,
         "wrap_module_classes": [FAMILIES["llama"].unit],
         "fsdp_config": {},
+        "activation_checkpointing": name.endswith("_ckpt"),
     }
     # export_hf: the whole model, or the adapter (peft's directory), written by worker 0 after weights.pt.
     train["training_engine"].update({**engine_options, "init_on_meta": True, "export_hf": "hf"})
@@ -1178,7 +1188,7 @@ def lora_first_model(
     if LORA_CONFIGS[name][1]:
         block = FAMILIES["llama"].block_parameters(shape)
         return MemoryModel(MAIN_RUNTIME_BYTES, 4.0 * block - STATE_BYTES[name] * block / world_size)
-    return learned.get("fsdp_full", fallback)
+    return learned.get(name.removesuffix("_ckpt"), learned.get("fsdp_full", fallback))
 
 
 def _trial_peaks(trial: Optional[Dict[str, Any]]) -> str:
@@ -1224,6 +1234,8 @@ def lora_markdown(data: Dict[str, Any]) -> str:
         for backend, full_name, lora_name in (
             ("fairscale", "fsdp_full", "fsdp_lora"),
             ("torch", "fsdp2_full", "fsdp2_lora"),
+            ("fairscale, checkpointed", "fsdp_full_ckpt", "fsdp_lora_ckpt"),
+            ("torch, checkpointed", "fsdp2_full_ckpt", "fsdp2_lora_ckpt"),
         ):
             full, lora = by_key.get((full_name, world_size)), by_key.get((lora_name, world_size))
             if full is None and lora is None:
@@ -1266,7 +1278,7 @@ def lora_markdown(data: Dict[str, Any]) -> str:
         )
     lines += ["", "| target | backend | workers | measured | |", "|---|---|---:|---:|---|"]
     for world_size, minimum in LORA_TARGETS:
-        for backend in ("fairscale", "torch"):
+        for backend in ("fairscale", "torch", "fairscale, checkpointed", "torch, checkpointed"):
             if (backend, world_size) in ratios:
                 measured = ratios[(backend, world_size)]
                 verdict = "met" if measured >= minimum else "missed"
