@@ -1062,9 +1062,7 @@ LORA_CONFIGS: Dict[str, Tuple[Dict[str, Any], bool, str]] = {
 }
 #: For first guesses (MemoryModel): a full fine-tune's 16 bytes per parameter sharded; a LoRA
 #: worker's frozen parameter, 4 bytes sharded (its adapters are a rounding error).
-STATE_BYTES.update(
-    {name: 4.0 if lora else 16.0 for name, (_, lora, _) in LORA_CONFIGS.items()}
-)
+STATE_BYTES.update({name: 4.0 if lora else 16.0 for name, (_, lora, _) in LORA_CONFIGS.items()})
 #: The main process's private memory besides the step's result (Python, torch, Tango,
 #: transformers and peft, the rendezvous store, the sampling): the first guess of a LoRA search.
 MAIN_RUNTIME_BYTES = 450 * MIB

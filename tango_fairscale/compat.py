@@ -881,11 +881,14 @@ def final_weights_from_disk(path: Path, load_final_weights: Callable[..., Any]) 
     original = torch.load
     target = Path(path).resolve()
     thread = threading.get_ident()
+    # Off once the block ends, should another patch have rebound torch.load over this one meanwhile.
+    active = [True]
 
     @functools.wraps(original)
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
         if (
-            threading.get_ident() == thread
+            active[0]
+            and threading.get_ident() == thread
             and isinstance(f, (str, os.PathLike))
             and Path(f).resolve() == target
             and not kwargs.get("mmap")
@@ -897,6 +900,7 @@ def final_weights_from_disk(path: Path, load_final_weights: Callable[..., Any]) 
     try:
         yield
     finally:
+        active[0] = False
         if torch.load is load:
             torch.load = original
 

@@ -14,9 +14,10 @@ same weights, tied parameters still tied, loadable the way Tango loads step resu
 import logging
 import mmap
 import os
+import re
 import shutil
 import sys
-import tempfile
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Tuple
@@ -169,23 +170,28 @@ def finish_result(model: Any) -> Any:
     return model
 
 
-#: ``statfs``'s ``f_type`` of tmpfs, whose files are memory: a copy there would be RAM, not disk.
-_TMPFS_MAGIC = 0x01021994
+#: File systems whose files are memory: a copy there would be RAM, not disk.
+_MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def _mount_point(field: str) -> str:
+    """A mount point as ``/proc/self/mountinfo`` writes it, its octal escapes (``\\040``) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 def _on_tmpfs(directory: Path) -> bool:
-    """Whether ``directory`` is on tmpfs (``/proc/self/mountinfo``'s longest mount point above it)."""
+    """Whether ``directory`` is on tmpfs or ramfs (the longest mount point above it in mountinfo)."""
     best, fstype = "", ""
     try:
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
             fields = line.split()
-            mount_point, after = fields[4], fields[fields.index("-") + 1 :]
+            mount_point, after = _mount_point(fields[4]), fields[fields.index("-") + 1 :]
             inside = str(directory) == mount_point or str(directory).startswith(mount_point.rstrip("/") + "/")
             if inside and len(mount_point) >= len(best):
                 best, fstype = mount_point, after[0]
     except (OSError, ValueError, IndexError):
         return True  # unknown: take it for memory
-    return fstype == "tmpfs"
+    return fstype in _MEMORY_FILE_SYSTEMS
 
 
 def load_final_weights(load: Callable[..., Any], path: Path, *args: Any, **kwargs: Any) -> Any:
@@ -195,26 +201,41 @@ def load_final_weights(load: Callable[..., Any], path: Path, *args: Any, **kwarg
     the step returns and caches is backed by the disk (page cache the kernel can write back and
     drop) instead of the process's private memory. That model is the main process's one large
     allocation: 4 bytes per parameter, whatever the number of workers (a LoRA run's frozen base
-    included), which made Tango's main process the first to run out under a per-process limit.
+    included), which made Tango's main process the first to run out under a per-process limit
+    on private memory (``ulimit -d``). Its resident set still holds the pages it reads (while
+    Tango caches the result), as page cache would; what it saves is memory the kernel cannot
+    reclaim. The cost: one more write of the file, and its disk space while the model lives.
 
-    The copy, in ``weights.pt``'s directory, is unlinked as soon as it is mapped: nobody else sees
-    it, the step's ``weights.pt`` is never written through the mapping (a later in-place write to
-    the model, such as peft's ``merge_and_unload``, changes the copy), and its disk space is freed
-    when the model is. Where that cannot be done as it should, ``load`` (torch's own) reads the
-    file into memory as before: not on Linux, a directory on tmpfs (the copy would be memory too),
-    or a copy that fails (a full disk: logged).
+    The copy, in ``weights.pt``'s directory and named as this package's other temporaries
+    (``.weights.pt.PID.HEX.tmp``: one a killed process left is removed by the next write of
+    ``weights.pt``), is unlinked as soon as it is mapped: nobody else sees it, the step's
+    ``weights.pt`` is never written through the mapping (a later in-place write to the model,
+    such as peft's ``merge_and_unload``, changes the copy), and its disk space is freed when the
+    model is. Where that cannot be done as it should, ``load`` (torch's own) reads the file into
+    memory as before: not on Linux, a directory on tmpfs (the copy would be memory too), a file
+    in torch's older format (which cannot be mapped), or a copy that fails (a full disk: logged).
     """
     path = Path(path)
-    if not sys.platform.startswith("linux") or _on_tmpfs(path.resolve().parent):
+    if not sys.platform.startswith("linux") or _on_tmpfs(path.resolve().parent) or not _is_zip_file(path):
         return load(path, *args, **kwargs)
-    handle, name = tempfile.mkstemp(prefix=".weights-mapped-", suffix=".pt", dir=path.parent)
-    os.close(handle)
+    copy = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        shutil.copyfile(path, name)
+        shutil.copyfile(path, copy)
+        # Process-wide while it lasts: Tango's main process loads nothing else meanwhile.
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            return load(name, *args, **{**kwargs, "mmap": True})
+            return load(copy, *args, **{**kwargs, "mmap": True})
     except (OSError, RuntimeError) as error:
+        copy.unlink(missing_ok=True)
         logger.warning("Reading %s into memory: mapping a copy of it failed (%s)", path, error)
         return load(path, *args, **kwargs)
     finally:
-        os.unlink(name)
+        copy.unlink(missing_ok=True)
+
+
+def _is_zip_file(path: Path) -> bool:
+    """Whether ``path`` is in torch's zip format (``torch.save``'s since 1.6), the one ``mmap`` reads."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False

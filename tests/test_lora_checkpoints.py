@@ -122,6 +122,11 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_
     assert saved is not None
     assert set(saved["files"]) == {str(pretrained / "model.safetensors")}
     assert set(saved["tensors"]) == set(base)
+    # The resumed run, of the same config, still leaves the whole base to the files.
+    resumed_marker = json.loads(
+        (killed.work_dir / f"checkpoint_state_step{STEPS}" / "COMPLETE.json").read_text()
+    )
+    assert pretrained_base.saved_base(resumed_marker)["tensors"] == saved["tensors"]  # type: ignore[index]
     adapters = sum(v.numel() for k, v in resumed.items() if ".lora_" in k)
     stored = _stored_model_elements(checkpoint, marker)
     print(

@@ -7,7 +7,7 @@ assigned, :mod:`tango_fairscale.step_result`) and ``weights.pt`` (streamed from 
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -289,3 +289,50 @@ def test_on_tmpfs_the_step_result_reads_its_weights_into_memory(
     loaded = step_result.load_final_weights(load, path, map_location="cpu")
     assert torch.equal(loaded["w"], torch.arange(4.0))
     assert loads == [(path, None)] and sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]
+
+
+def _mapped_copies() -> List[str]:
+    """This process's mappings of a deleted copy of weights.pt (T7's)."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if ".weights.pt." in line]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared mappings: Linux")
+def test_t7_routes_tangos_load_of_the_final_weights_only(tmp_path: Path) -> None:
+    """
+    compat.final_weights_from_disk: Tango's load of its TrainConfig's final_weights_path, by this
+    thread, is mapped from a deleted copy; another thread's load, a load asking for mmap itself and
+    a load of another file are torch's; torch.load is itself again after the block.
+    """
+    import threading
+
+    from tango.integrations.torch import TrainConfig
+
+    from tango_fairscale import compat
+    from tango_fairscale.step_result import _on_tmpfs, load_final_weights
+
+    if _on_tmpfs(tmp_path):
+        pytest.skip("the test's directory is on tmpfs, where the load reads into memory")
+    config = TrainConfig("step", tmp_path)
+    weights = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    torch.save(weights, config.final_weights_path)
+    torch.save(weights, tmp_path / "other.pt")
+    original = torch.load
+    from_thread: List[Any] = []
+    with compat.final_weights_from_disk(tmp_path / "weights.pt", load_final_weights):
+        assert torch.load is not original
+        thread = threading.Thread(target=lambda: from_thread.append(torch.load(config.final_weights_path)))
+        thread.start()
+        thread.join()
+        assert not _mapped_copies()
+        passed = [
+            torch.load(config.final_weights_path, map_location="cpu", mmap=True),
+            torch.load(tmp_path / "other.pt", map_location="cpu"),
+        ]
+        assert not _mapped_copies()
+        routed = torch.load(config.final_weights_path, map_location="cpu")
+        mapped = _mapped_copies()
+        assert mapped and all(line.endswith("(deleted)") for line in mapped), mapped
+    assert torch.load is original
+    for loaded in [*from_thread, *passed, routed]:
+        assert torch.equal(loaded["w"], weights["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt", "weights.pt"]

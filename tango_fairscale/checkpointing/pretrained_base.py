@@ -74,12 +74,17 @@ class PretrainedBase:
         ``None`` when nothing is left.
         """
         saved = saved_base(marker)
-        named = set(saved["tensors"]) if saved else set()
-        kept = {name: origin for name, origin in self.tensors.items() if name in named}
+        named = dict(saved["tensors"]) if saved else {}
+        # The same tensor of a file of the same name, as check_same_base compares them.
+        kept = {
+            name: (file, tensor)
+            for name, (file, tensor) in self.tensors.items()
+            if name in named and Path(named[name][0]).name == Path(file).name and named[name][1] == tensor
+        }
         if len(kept) == len(self.tensors):
             return self
         dropped = sorted(set(self.tensors) - set(kept))
-        logger.info(
+        logger.warning(
             "The checkpoint holds %d frozen parameter(s) that this model reads from pretrained files "
             "(%s%s): its values are kept, and saved in the checkpoints from now on.",
             len(dropped),
