@@ -10,7 +10,7 @@ import json
 import math
 import shlex
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -29,24 +29,33 @@ STEPS, CHECKPOINT_EVERY, KILL_AT = 8, 3, 5
 
 
 def experiment(directory: Path, backend: str, kill_at: Optional[int] = None) -> Dict[str, Any]:
-    model = {
+    lora = {
+        "type": "fairscale::with_lora",
+        "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(directory)},
+        "r": 4,
+        "lora_dropout": 0.1,
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    callbacks = [] if kill_at is None else [{"type": "test::kill_once", "step": kill_at}]
+    return _llama_run(lora, backend, STEPS, CHECKPOINT_EVERY, callbacks)
+
+
+def _llama_run(
+    model: Dict[str, Any], backend: str, steps: int, checkpoint_every: int, callbacks: List[Any]
+) -> Dict[str, Any]:
+    """``model``, one unit per decoder layer, fine-tuned under init_on_meta on the LM data."""
+    wrapped = {
         "type": "fairscale::with_wrapped_modules",
-        "model": {
-            "type": "fairscale::with_lora",
-            "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(directory)},
-            "r": 4,
-            "lora_dropout": 0.1,
-            "target_modules": ["q_proj", "v_proj"],
-        },
+        "model": model,
         "wrap_module_classes": ["LlamaDecoderLayer"],
         "fsdp_config": {},
     }
     config = train_config(
         engine="fairscale",
-        model=model,
-        train_steps=STEPS,
-        checkpoint_every=CHECKPOINT_EVERY,
-        callbacks=[] if kill_at is None else [{"type": "test::kill_once", "step": kill_at}],
+        model=wrapped,
+        train_steps=steps,
+        checkpoint_every=checkpoint_every,
+        callbacks=callbacks,
         engine_extra={"backend": backend, "init_on_meta": True},
     )
     config["steps"]["train"]["training_engine"]["optimizer"] = {"type": "torch::AdamW", "lr": 0.01}
@@ -208,23 +217,8 @@ def test_a_lora_checkpoint_resumes_on_another_number_of_workers(backend: str, tm
 
 
 def _frozen_below(pretrained: Path, backend: str, layers: int, steps: int) -> Dict[str, Any]:
-    model = {
-        "type": "fairscale::with_wrapped_modules",
-        "model": {"type": "test::llama_frozen_below", "pretrained": str(pretrained), "layers": layers},
-        "wrap_module_classes": ["LlamaDecoderLayer"],
-        "fsdp_config": {},
-    }
-    config = train_config(
-        engine="fairscale",
-        model=model,
-        train_steps=steps,
-        checkpoint_every=2,
-        callbacks=[],
-        engine_extra={"backend": backend, "init_on_meta": True},
-    )
-    config["steps"]["train"]["training_engine"]["optimizer"] = {"type": "torch::AdamW", "lr": 0.01}
-    config["steps"]["data"] = {"type": "test::lm_data", "vocab_size": LLAMA["vocab_size"], "size": 64}
-    return config
+    model = {"type": "test::llama_frozen_below", "pretrained": str(pretrained), "layers": layers}
+    return _llama_run(model, backend, steps, 2, [])
 
 
 @pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
