@@ -186,12 +186,11 @@ def tango_command(
     return command
 
 
-#: The variables that set the threads of numpy's OpenBLAS (tango_fairscale.cpu.threads.BLAS_VARIABLES):
-#: left out of the runs' environment, so that they get the package's default whatever the shell sets.
-BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-
-
 def tango_env() -> Dict[str, str]:
+    # The variables that set numpy's OpenBLAS threads are left out, so that the runs get the
+    # package's default whatever the shell sets.
+    from tango_fairscale.cpu.threads import BLAS_VARIABLES
+
     inherited = {name: value for name, value in os.environ.items() if name not in BLAS_VARIABLES}
     return {**inherited, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 

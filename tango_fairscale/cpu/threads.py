@@ -21,8 +21,8 @@ OpenBLAS starts its thread pool when it is loaded: one thread per core, each wit
 and stack, untouched until numpy multiplies matrices, but reserved. Measured after ``import
 numpy`` on the 2-core machine: VmData 90.6 MiB with OpenBLAS's default of 2 threads, 49.7 MiB
 with 1, i.e. about 41 MiB and one idle thread per core in each worker, which ``RLIMIT_DATA`` (and
-the kernel's commit accounting under strict overcommit) counts, on a host of 64 cores about
-2.6 GiB per worker. So Tango's main process gives the CPU workers it spawns
+the kernel's commit accounting under strict overcommit) counts: by that measure, not measured
+there, about 2.6 GiB per worker on a host of 64 cores. So Tango's main process gives the CPU workers it spawns
 ``OPENBLAS_NUM_THREADS`` of their thread count (:func:`blas_environment`), read only when the
 library is loaded, unless the user set one of the variables OpenBLAS reads
 (:data:`BLAS_VARIABLES`; ``torchrun`` sets ``OMP_NUM_THREADS=1``). torch's own threads are the
@@ -49,8 +49,8 @@ SOURCE_ENVIRONMENT = OMP_VARIABLE
 SOURCE_SHARE = "share of cores"
 SOURCE_TORCH = "torch default"
 
-#: The variables OpenBLAS reads for its number of threads when it is loaded, the first set one
-#: winning.
+#: The variables OpenBLAS reads for its number of threads when it is loaded, in its order: the
+#: first whose value is a number above 0 wins (:func:`blas_threads`).
 BLAS_VARIABLES: Tuple[str, ...] = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", OMP_VARIABLE)
 
 
