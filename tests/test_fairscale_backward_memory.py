@@ -303,9 +303,12 @@ def test_the_bucket_is_no_larger_than_the_gradients_it_holds(tmp_path: Path) -> 
         assert chosen["chosen"] == 1  # MiB: the adapters' gradients are KiBs
         assert chosen["losses"] == fairscale["losses"]
         assert all(torch.equal(chosen["shards"][k], v) for k, v in fairscale["shards"].items())
-        # FairScale's bucket and output beyond the 1 MiB one and its 0.5 MiB output, every backward.
-        saved = (25 + 12.5 - 1 - 0.5) * 2**20
-        assert all(f - c >= saved for f, c in zip(fairscale["peaks"], chosen["peaks"]))
+        # FairScale's whole bucket and its output are live at once in every backward; the
+        # backend's are 1 and 0.5 MiB. The two peaks need not come at the same moment (FairScale's
+        # at the flush, 37.6 or 50.0 MB with a new output; the other's earlier, 1.7 to 2.1 MB), so
+        # each is held to its own bound rather than their difference to 36 MiB.
+        assert all(f >= (25 + 12.5) * 2**20 for f in fairscale["peaks"]), fairscale["peaks"]
+        assert all(c < (1 + 0.5 + 2.5) * 2**20 for c in chosen["peaks"]), chosen["peaks"]
 
 
 def test_the_bucket_size_rule() -> None:
