@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import free_port, host_environment  # noqa: E402
+from benchmarks.gpu import CONFIGS as GPU_CONFIGS  # noqa: E402
 
 MODELS = {
     # GPT-2 small: 124 M parameters.
@@ -559,10 +560,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--configs",
         default=None,
-        help="comma-separated subset of: "
-        + ", ".join(CONFIGS)
-        + " (with --gpu: fp32, amp, amp_mixed_precision, bf16_mixed_precision, torch_fp32, "
-        "torch_bf16_mixed_precision)",
+        help="comma-separated subset of: " + ", ".join(CONFIGS) + f" (with --gpu: {', '.join(GPU_CONFIGS)})",
     )
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +16,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+#: The ``tango`` command of this interpreter's environment; where packages were installed elsewhere
+#: (``pip install --target`` on a GPU machine, its scripts on the PATH), the PATH's.
 TANGO = str(Path(sys.executable).with_name("tango"))
+if not Path(TANGO).exists():
+    TANGO = shutil.which("tango") or TANGO
 INCLUDES = ["tango_fairscale", "examples.toy.components", "tests.components"]
 README = (REPO / "README.md").read_text()
 

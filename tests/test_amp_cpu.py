@@ -7,7 +7,7 @@ mixed precision computes in bfloat16 alongside it. Trained in the test's own wor
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -84,12 +84,24 @@ ONE_WORKER_RUNS = [(1, False), (2, True)]
 def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gradients(
     tmp_path: Path, grad_accum: int, locally: bool
 ) -> None:
-    # With one worker FairScale does not shard, and its cast of the gradients to float32 never
-    # reached them (F10): AdamW then failed on a bfloat16 gradient beside a float32 parameter.
-    # Under no_sync (accumulate_grads_locally), FairScale freed the bfloat16 parameters that the
-    # next micro-batch's forward still used: with one worker the engine no longer enters it.
-    # Reference: the same mixed precision by hand, bfloat16 copies computing gradients (of the loss
-    # over the step's micro-batches) that AdamW applies to float32 master weights.
+    losses, expected = one_worker_mixed_precision(tmp_path, grad_accum, locally, "cpu")
+    assert losses == expected
+
+
+def one_worker_mixed_precision(
+    tmp_path: Path, grad_accum: int, locally: bool, device: str
+) -> Tuple[List[float], List[float]]:
+    """
+    The engine's losses with one worker on ``device`` (``"cpu"``, or ``"cuda"`` in test_gpu.py)
+    under bfloat16 FSDP mixed precision, and the same mixed precision's by hand.
+
+    With one worker FairScale does not shard, and its cast of the gradients to float32 never
+    reached them (F10): AdamW then failed on a bfloat16 gradient beside a float32 parameter.
+    Under no_sync (accumulate_grads_locally), FairScale freed the bfloat16 parameters that the
+    next micro-batch's forward still used: with one worker the engine no longer enters it.
+    Reference: bfloat16 copies computing gradients (of the loss over the step's micro-batches)
+    that AdamW applies to float32 master weights.
+    """
     import torch.distributed as dist
     from tango.common import Lazy
     from tango.integrations.torch import Optimizer, TrainConfig
@@ -110,18 +122,18 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
         torch.manual_seed(0)
         return ToyRegressor(in_features=8, width=32, num_blocks=2)
 
-    master = toy()
+    master = toy().to(device)
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-2)
     expected = []
     for micro_batches in steps:
-        copy = toy().to(torch.bfloat16)
+        copy = toy().to(device, torch.bfloat16)
         copy.load_state_dict(master.state_dict())
         sums = [torch.zeros_like(parameter) for parameter in master.parameters()]
         for batch in micro_batches:
             copy.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = copy(x=batch["x"].to(torch.bfloat16), y=batch["y"].to(torch.bfloat16))["loss"]
-                loss = loss / grad_accum
+            with torch.autocast(device, dtype=torch.bfloat16):
+                inputs = {name: value.to(device, torch.bfloat16) for name, value in batch.items()}
+                loss = copy(**inputs)["loss"] / grad_accum
             loss.backward()
             for total, low in zip(sums, copy.parameters()):
                 assert low.grad is not None
@@ -132,7 +144,12 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
         optimizer.step()
 
     config = TrainConfig(
-        "one-worker", tmp_path, is_distributed=True, devices=[-1], world_size=1, distributed_port=free_port()
+        "one-worker",
+        tmp_path,
+        is_distributed=True,
+        devices=[0 if device == "cuda" else -1],
+        world_size=1,
+        distributed_port=free_port(),
     )
     mixed = FSDPConfig(mixed_precision=True, compute_dtype="bfloat16")
     try:
@@ -158,4 +175,4 @@ def test_one_worker_mixed_precision_steps_float32_master_weights_on_bfloat16_gra
     finally:
         if dist.is_initialized():
             close_process_groups()
-    assert losses == expected
+    return losses, expected

@@ -31,13 +31,12 @@ from benchmarks.capacity import (
     write_outputs,
 )
 from benchmarks.components import parse_bytes
-from tests.helpers import REPO, free_port
+from tests.helpers import REPO, TANGO, free_port
 
 EXAMPLE_DIR = REPO / "examples" / "capacity"
 #: The example's budget for each process of the run: `ulimit -d 1468006` (KiB) in its README.
 BUDGET_KIB = 1468006
 assert f"ulimit -d {BUDGET_KIB}" in (EXAMPLE_DIR / "README.md").read_text()
-TANGO = str(Path(sys.executable).with_name("tango"))
 MIB = 2**20
 
 

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List, Tuple
@@ -18,13 +17,12 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from tests.helpers import REPO, free_port
+from tests.helpers import REPO, TANGO, free_port
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
 
 EXAMPLE_DIR = REPO / "examples" / "finetune_pretrained"
-TANGO = Path(sys.executable).parent / "tango"
 PROMPT = "The Queen"
 
 
@@ -48,7 +46,7 @@ def run_example(
     pretrained, workspace = root / "pretrained", root / "workspace"
     script("make_pretrained").main([str(pretrained), *pretrain_args])
     overrides = json.dumps({"steps.train.distributed_port": free_port()})
-    command = [str(TANGO), "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
+    command = [TANGO, "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
     command += ["--ext-var", f"size={size}", "--ext-var", f"pretrained={pretrained}"]
     command += ["--overrides", overrides, *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -17,10 +17,9 @@ import torch
 from tango.integrations.torch import TrainConfig
 
 from tango_fairscale.callbacks import MemoryCallback, WorkerStats, format_summary
-from tests.helpers import free_port
+from tests.helpers import TANGO, free_port
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "train_gpt2"
-TANGO = Path(sys.executable).parent / "tango"
 SIZE = "tiny"
 
 
@@ -53,7 +52,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Tuple[subprocess.Comple
     # Also record each worker's model-state bytes, for the `plan` estimate below.
     callbacks = _train_step_config()["callbacks"] + [{"type": "test::record_state_sizes"}]
     overrides = json.dumps({"steps.train.distributed_port": free_port(), "steps.train.callbacks": callbacks})
-    command = [str(TANGO), "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
+    command = [TANGO, "--log-level", "info", "run", "config.jsonnet", "-w", str(workspace)]
     command += ["--ext-var", f"size={SIZE}", "--overrides", overrides, "-i", "tests.components"]
     env = {**os.environ, "PYTHONPATH": str(EXAMPLE_DIR.parent.parent)}
     result = subprocess.run(command, cwd=EXAMPLE_DIR, env=env, capture_output=True, text=True, timeout=300)

@@ -18,6 +18,7 @@ from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
 from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.teardown import close_process_groups
 from tests.helpers import free_port
+from tests.test_amp_cpu import ONE_WORKER_RUNS, one_worker_mixed_precision
 
 pytestmark = [
     pytest.mark.gpu,
@@ -224,14 +225,17 @@ def _lora_model(directory: Path) -> Any:
     )
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_lora_units_train_as_plain_peft_on_the_gpu(
-    train_config: TrainConfig, tmp_path: Path, backend: str
+    train_config: TrainConfig, tmp_path: Path, backend: str, precision: str
 ) -> None:
     pytest.importorskip("peft")
+    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tango_fairscale import with_wrapped_modules
+    from tango_fairscale.consolidation import consolidate
     from tests.helpers import TINY_LLAMA
 
     torch.manual_seed(5)
@@ -253,16 +257,48 @@ def test_lora_units_train_as_plain_peft_on_the_gpu(
         optimizer.step()
         expected.append(loss.item())
 
+    # bfloat16: the recipe's settings, FSDP mixed precision on the units and the root under
+    # bfloat16 autocast, the frozen base gathered in bfloat16 beside the adapters' float32 masters.
+    half = precision == "bfloat16"
+    fsdp = FSDPConfig(mixed_precision=True, compute_dtype="bfloat16") if half else FSDPConfig()
     torch.manual_seed(0)
     engine = FairScaleTrainingEngine(
         train_config,
         Lazy(  # type: ignore[arg-type]
             lambda: with_wrapped_modules(
-                _lora_model(tmp_path / "llama"), wrap_module_classes=["LlamaDecoderLayer"]
+                _lora_model(tmp_path / "llama"), wrap_module_classes=["LlamaDecoderLayer"], fsdp_config=fsdp
             ),
             constructor_extras={},
         ),
         Lazy(Optimizer.by_name("torch::AdamW"), constructor_extras={"lr": 0.01}),  # type: ignore[arg-type]
         backend=backend,
+        amp=half,
+        amp_use_bfloat16=half,
+        fsdp_config=fsdp,
     )
-    assert train(engine, data) == pytest.approx(expected, abs=1e-5)
+    losses = train(engine, data)
+    if half:
+        assert losses == pytest.approx(expected, rel=HALF_PRECISION_RELATIVE_TOLERANCE)
+    else:
+        assert losses == pytest.approx(expected, abs=1e-5)
+
+    # The frozen base is the pretrained file's, bit for bit (no low-precision copy written back);
+    # the adapters moved (lora_B starts at zero).
+    engine.save_checkpoint(train_config.work_dir / "ckpt", {"training_steps": len(data)})
+    dist.barrier()
+    full = consolidate(train_config.work_dir / "ckpt")
+    start = load_file(str(tmp_path / "llama" / "model.safetensors"))
+    base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in full.items()}
+    assert all(torch.equal(base[name], start[name]) for name in start)
+    assert all(value.abs().sum() > 0 for name, value in full.items() if "lora_B" in name)
+
+
+@pytest.mark.parametrize(
+    "grad_accum, locally", ONE_WORKER_RUNS, ids=["one_micro_batch", "accumulated_locally"]
+)
+def test_one_worker_bfloat16_mixed_precision_on_the_gpu(
+    tmp_path: Path, grad_accum: int, locally: bool
+) -> None:
+    # The CPU test's run (test_amp_cpu.py) on the GPU: the same steps as bfloat16 copies by hand.
+    losses, expected = one_worker_mixed_precision(tmp_path, grad_accum, locally, "cuda")
+    assert losses == expected
