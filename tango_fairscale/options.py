@@ -23,15 +23,17 @@ _PREFIX = "training_engine."
 
 def check_distributed(distributed: bool, device_count: int) -> None:
     """
-    The engine needs a process group: Tango starts one for ``device_count`` of 2 or more, this
-    package for any ``device_count`` across hosts (the rule is on the world size).
+    The engine needs a process group. Through ``torch::train`` it always has one (a step of one
+    device gets its one worker spawned with it, see :mod:`tango_fairscale.train_step`); an engine
+    built in a user's own code from a ``TrainConfig`` that is not distributed has none.
     """
     if not distributed:
         raise ConfigurationError(
-            'The "fairscale" training engine shards the model across workers, so it needs distributed '
-            f"training: set 'device_count' to 2 or more in the torch::train step (it is {device_count}), "
-            "launch it across hosts (torchrun or srun; any device_count per host, 1 included), "
-            'or use the "torch" engine for a single device.'
+            'The "fairscale" training engine shards the model across workers, so it needs a process '
+            f"group, of one worker too, and this TrainConfig is not distributed (devices: {device_count}). "
+            "Run it through the torch::train step (any device_count), or build the engine in each "
+            "worker of your own from a TrainConfig with is_distributed=True, world_size, worker_id and "
+            'a distributed_port; or use the "torch" engine for a single device.'
         )
 
 

@@ -83,9 +83,8 @@ def check_engine(
     """
     options = EngineOptions.from_config(engine)
     # Warnings come from the engine, on worker 0, so that they are printed once.
-    options.check(
-        distributed=device_count >= 2, device_count=device_count, on_cpu=on_cpu, hosts=hosts, warn=False
-    )
+    # A step on the engine always gets a process group, of one worker too (train_step.py).
+    options.check(distributed=True, device_count=device_count, on_cpu=on_cpu, hosts=hosts, warn=False)
     source = options.resume_from_checkpoint
     # A step with its own checkpoint resumes from that and ignores the source.
     has_own = work_dir is not None and (work_dir / "checkpoint_state_latest").exists()

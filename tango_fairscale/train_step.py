@@ -5,9 +5,9 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 
 - :func:`run_step`, in Tango's main process: the package re-imported in the workers, the engine's
   callbacks added, pre-flight, the final model built on ``meta``, and the route: one process, one
-  host (the rendezvous store served from here) or a launch across hosts (any number of workers
-  per host, 1 included); the engine's CPU workers spawned with malloc advising transparent huge pages
-  and numpy's OpenBLAS starting the worker's share of threads
+  host (the rendezvous store served from here; one worker included) or a launch across hosts
+  (any number of workers per host, 1 included); the engine's CPU workers spawned with malloc
+  advising transparent huge pages and numpy's OpenBLAS starting the worker's share of threads
   (:func:`~tango_fairscale.cpu.memory.cpu_worker_environment`); the step's workers joined with a
   grace period (:func:`~tango_fairscale.compat.spawn_grace`, T4); a worker's ``CheckpointError``
   told as its one line.
@@ -15,14 +15,15 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
   quietly (SIGINT ignored, SIGTERM ends it at once); across hosts, its
   global rank and ``TrainConfig``; once it finished, it ends without the interpreter's
   finalization (:func:`~tango_fairscale.teardown.end_finished_worker`). In the main
-  process of a host with one worker (Tango runs a step of one device in-process), it spawns that
-  worker with the config of distributed training.
+  process of a step of one device on the engine (Tango runs such a step in-process), alone or as
+  one host of several, it spawns that worker with the config of distributed training.
 """
 
 import dataclasses
 import logging
 import os
 from contextlib import ExitStack
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 PACKAGE = "tango_fairscale"
 #: ``torch::train``'s default ``distributed_port``.
 TANGO_DEFAULT_PORT = 54761
+#: Set by :func:`_train_distributed` around Tango's step of one device on the engine on one host:
+#: Tango then calls its worker function in this process, which :func:`run_worker` spawns instead.
+_SPAWN_ONE_WORKER: ContextVar[bool] = ContextVar("tango_fairscale_spawn_one_worker", default=False)
 
 
 def with_engine_callbacks(callbacks: Any) -> List[Any]:
@@ -109,10 +113,10 @@ def _run_step(
         kwargs["callbacks"] = with_engine_callbacks(kwargs.get("callbacks"))
     args: Tuple[Any, ...] = (model, training_engine, dataset_dict, train_dataloader)
     devices = kwargs.get("devices")
-    # Across hosts the engine takes any number of workers per host, 1 included: the rule is on
-    # the world size (every host's workers), which pre-flight checks with the hosts counted in.
+    # The engine takes any number of workers, 1 included, on one host or on each of several:
+    # a step of one device gets its one worker spawned with a process group of its own.
     launch = launching.detect_launch(os.environ) if devices and (len(devices) > 1 or on_fairscale) else None
-    distributed = bool(devices and len(devices) > 1) or launch is not None
+    distributed = bool(devices and (len(devices) > 1 or on_fairscale))
     if launch is not None and not on_fairscale:
         raise ConfigurationError(
             f"tango runs under {launch.launcher} as host {launch.node_rank} of {launch.num_nodes}, "
@@ -166,15 +170,19 @@ def _train_distributed(
         return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
     # (c) Served from this process for the life of the step (see tango_fairscale.launch).
     configured = getattr(step, "_config", None) or {}
-    with (
-        launching.rendezvous_store(
-            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-            set_in_config="distributed_port" in configured,
-        ) as port,
-        launching.stop_workers_on_signals(resume_hint=_resume_hint(step)),
-    ):
-        kwargs["distributed_port"] = port
-        return finish_result(original(step, *args, **kwargs))
+    one_worker = _SPAWN_ONE_WORKER.set(len(kwargs.get("devices") or ()) == 1)
+    try:
+        with (
+            launching.rendezvous_store(
+                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+                set_in_config="distributed_port" in configured,
+            ) as port,
+            launching.stop_workers_on_signals(resume_hint=_resume_hint(step)),
+        ):
+            kwargs["distributed_port"] = port
+            return finish_result(original(step, *args, **kwargs))
+    finally:
+        _SPAWN_ONE_WORKER.reset(one_worker)
 
 
 def _resume_hint(step: Any, across_hosts: bool = False) -> Callable[[], str]:
@@ -257,10 +265,10 @@ def run_worker(
     here (:func:`~tango_fairscale.teardown.end_finished_worker`): it does not return.
     """
     world = launching.HostWorld.from_environment(os.environ)
-    if world is not None and not getattr(config, "is_distributed", False):
-        # Tango's main process, training a step of one device here as one host of several: Tango
-        # runs such a step in its own process, without a process group. Spawn it as Tango spawns
-        # several workers, with the config of distributed training.
+    if (world is not None or _SPAWN_ONE_WORKER.get()) and not getattr(config, "is_distributed", False):
+        # Tango's main process, training a step of one device on the engine, alone or as one host
+        # of several: Tango runs such a step in its own process, without a process group. Spawn it
+        # as Tango spawns several workers, with the config of distributed training.
         return _spawn_one_worker(workspace, config, *args, **kwargs)
     if getattr(config, "is_distributed", False):
         launching.die_with_parent()
@@ -293,7 +301,7 @@ def _spawn_one_worker(
     callbacks: Any = None,
 ) -> Any:
     """
-    (h) This host's one worker, in a launch across hosts with ``device_count`` 1: spawned as
+    (h) The step's one worker, alone or in a launch across hosts with ``device_count`` 1: spawned as
     Tango's ``TorchTrainStep._train`` spawns its workers (the same worker function and
     arguments), with ``is_distributed`` set, so that :func:`run_worker` gives it its global rank.
     Returns what Tango's one-process route expects back: the final model

@@ -81,8 +81,7 @@ def test_the_recipe_trains_and_exports(pretrained: Path, tmp_path: Path, lora: s
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    # Two CPU workers, where the recipe's bfloat16 runs under CPU autocast. Not on one GPU: a
-    # single host's run needs 2 workers or more (docs/gpu-recipe.md).
+    # Two CPU workers, where the recipe's bfloat16 runs under CPU autocast.
     (tmp_path / "corpus.txt").write_text(words(6000))
     command = [TANGO, "--log-level", "info", "run", str(CONFIG), "-i", "tango_fairscale"]
     command += ["-w", str(tmp_path / "workspace")]

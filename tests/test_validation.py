@@ -72,13 +72,6 @@ CASES = [
         True,
     ),
     (
-        "device_count 1",
-        set_train(device_count=1),
-        "ConfigurationError",
-        "set 'device_count' to 2 or more in the torch::train step (it is 1)",
-        True,
-    ),
-    (
         "move_params_to_cpu without move_grads_to_cpu",
         engine(fsdp_config={"move_params_to_cpu": True, "move_grads_to_cpu": False}),
         "ConfigurationError",
