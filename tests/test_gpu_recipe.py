@@ -1,8 +1,9 @@
 """
 The GPU recipe's config (examples/gpu_recipe, docs/gpu-recipe.md) is a config this package takes:
 its wrap plan drawn by ``plan`` for a model of the recipe's classes saved locally, on a world of
-16 workers, with and without LoRA; and (extended) the config itself, unchanged but for its sizes,
-trained end to end by ``tango run`` on two CPU workers, fully and with LoRA, its export loaded back.
+16 workers, with and without LoRA; and the config itself, unchanged but for its sizes, trained end
+to end by ``tango run`` on one GPU (``-m gpu``) or two CPU workers (``-m extended``), fully and
+with LoRA, its export loaded back.
 """
 
 import json
@@ -75,20 +76,34 @@ def words(count: int) -> str:
     return "".join(" ".join(chosen[i : i + 10]) + "\n" for i in range(0, count, 10))
 
 
-@pytest.mark.extended
+@pytest.mark.parametrize(
+    "workers",
+    [
+        # One GPU: the recipe as a single-GPU machine runs it (gpus_per_node=1).
+        pytest.param(
+            1,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+            id="one_gpu",
+        ),
+        # Two CPU workers, where the recipe's bfloat16 runs under CPU autocast.
+        pytest.param(2, marks=pytest.mark.extended, id="two_cpu_workers"),
+    ],
+)
 @pytest.mark.parametrize("lora", ["false", "true"])
-def test_the_recipe_trains_and_exports(pretrained: Path, tmp_path: Path, lora: str) -> None:
+def test_the_recipe_trains_and_exports(pretrained: Path, tmp_path: Path, workers: int, lora: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    # Two CPU workers, where the recipe's bfloat16 runs under CPU autocast.
-    (tmp_path / "corpus.txt").write_text(words(6000))
+    (tmp_path / "corpus.txt").write_text(words(3000 * workers))
     command = [TANGO, "--log-level", "info", "run", str(CONFIG), "-i", "tango_fairscale"]
     command += ["-w", str(tmp_path / "workspace")]
     variables = {
         "pretrained": pretrained,
         "text": tmp_path / "corpus.txt",
-        "gpus_per_node": 2,
+        "gpus_per_node": workers,
         "lora": lora,
     }
     for key, value in variables.items():
