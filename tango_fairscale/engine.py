@@ -78,7 +78,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         ``torch::train`` step passes the others.
 
     .. warning::
-        Needs distributed training: ``device_count`` of 2 or more in the ``torch::train`` step.
+        Needs a process group: through the ``torch::train`` step any ``device_count`` (a step of
+        one device gets its one worker spawned with one); built in your own code, a
+        ``TrainConfig`` with ``is_distributed=True``.
 
     :param amp:
         Use automatic mixed precision. With float16 the gradients are scaled by FairScale's

@@ -7,7 +7,7 @@ Why not Tango's ``torch::eval``: it averages each batch's metric over the batche
 mostly padding weighs as much as a full one, and a perplexity taken from that is not the split's;
 and it runs one process with the whole model. This step weighs each batch's loss by its predicted
 tokens, and builds the model sharded across workers with the engine's FSDP when asked
-(``device_count`` 2 or more), as ``torch::train`` does.
+(``device_count`` 2 or more, or a ``training_engine``), as ``torch::train`` does on the engine.
 """
 
 import json
@@ -61,6 +61,22 @@ DEFAULT_ENGINE: Dict[str, Any] = {
 }
 
 _collate = ConcatTensorDictsCollator()
+
+
+def _engine_for_evaluation(training_engine: Optional[Lazy[TrainingEngine]]) -> Lazy[TrainingEngine]:
+    """
+    The engine of a sharded evaluation: the default, or the one given with the default's optimizer
+    where it names none (the engine needs one, built and never stepped; a config's engine block
+    written for evaluation alone would otherwise fail in every worker).
+    """
+    from .preflight import params_of
+
+    if training_engine is None:
+        return Lazy(TrainingEngine, Params(dict(DEFAULT_ENGINE)))
+    params = params_of(training_engine)
+    if not params or "optimizer" in params:
+        return training_engine
+    return Lazy(TrainingEngine, Params({**params, "optimizer": dict(DEFAULT_ENGINE["optimizer"])}))
 
 
 @dataclass
@@ -335,8 +351,10 @@ class Evaluate(Step):
 
     - ``device_count`` 1 (default): in Tango's process, on a GPU if there is one. For models that
       fit one process: nothing is spawned, and a step's result is evaluated as it is.
-    - ``device_count`` 2 or more: that many workers (GPUs where there are enough, else CPU
-      processes), each building the model from its config sharded by the ``"fairscale"`` engine
+    - ``device_count`` 2 or more, or a ``training_engine`` given: that many workers (GPUs where
+      there are enough, else CPU processes; with ``device_count`` 1, one worker, as a model trained
+      on one GPU with CPU offload is evaluated), each building the model from its config sharded by
+      the ``"fairscale"`` engine
       (``training_engine``; by default FairScale's FSDP with ``init_on_meta``, so that each unit
       reads its own tensors from the files as it is sharded and no worker holds the whole model),
       for models that do not fit one process. Give the model's config as in the training step
@@ -354,9 +372,9 @@ class Evaluate(Step):
         ``init_on_meta``: each unit reads its own tensors). Its size and modification time are
         part of the step's id, so new weights at the same path are evaluated again.
     :param device_count: Workers (see above).
-    :param training_engine: The engine of a sharded evaluation (``device_count`` 2 or more), e.g.
-        the training step's (its optimizer is built and never stepped). Default: ``{type:
-        "fairscale", init_on_meta: true, optimizer: {type: "torch::SGD", lr: 0}}``.
+    :param training_engine: The engine of a sharded evaluation (any ``device_count``), e.g.
+        the training step's (its optimizer is built and never stepped; without one, the default's).
+        Default: ``{type: "fairscale", init_on_meta: true, optimizer: {type: "torch::SGD", lr: 0}}``.
     :param label_shift: Positions of each example whose labels the model does not predict: 1 for a
         causal LM (``transformers`` shifts the labels by one), 0 for a model whose loss compares
         each position with its own label.
@@ -401,7 +419,7 @@ class Evaluate(Step):
         data = self._checked(model, dataset_dict, split, batch_size, weights, device_count, training_engine)
         if label_shift < 0 or isinstance(label_shift, bool):
             raise ConfigurationError(f"{STEP_NAME}: label_shift must be 0 or more, got {label_shift!r}.")
-        if device_count == 1:
+        if device_count == 1 and training_engine is None:
             set_seed_all(seed)
             built = model.construct() if isinstance(model, Lazy) else model
             if weights is not None:
@@ -409,7 +427,7 @@ class Evaluate(Step):
             totals = evaluate_model(built, data, batch_size, label_shift)
         else:
             assert isinstance(model, Lazy)
-            engine = training_engine or Lazy(TrainingEngine, Params(dict(DEFAULT_ENGINE)))
+            engine = _engine_for_evaluation(training_engine)
             totals = self._sharded(model, engine, data, batch_size, label_shift, weights, device_count, seed)
         result = totals.result(split, device_count)
         line = (
@@ -450,20 +468,16 @@ class Evaluate(Step):
             raise ConfigurationError(
                 f"{STEP_NAME}: weights: {weights} is not a file (a training step's weights.pt)."
             )
-        if device_count == 1 and training_engine is not None:
-            raise ConfigurationError(
-                f"{STEP_NAME}: training_engine is for a sharded evaluation (device_count 2 or more); "
-                "remove it, or set device_count."
-            )
         if training_engine is not None:
             from .options import check_cpu_threads
             from .preflight import params_of
 
             # Read in this process for the workers' environment (_sharded), so checked here.
             check_cpu_threads(params_of(training_engine).get("cpu_threads_per_worker"))
-        if device_count > 1 and not isinstance(model, Lazy):
+        if (device_count > 1 or training_engine is not None) and not isinstance(model, Lazy):
+            what = f"device_count {device_count}" if device_count > 1 else "training_engine"
             raise ConfigurationError(
-                f"{STEP_NAME}: device_count {device_count} builds the model sharded in each worker from "
+                f"{STEP_NAME}: {what} builds the model sharded in each worker from "
                 "its config, but model is a model built already (a step's result); give the training "
                 "step's model config with weights (its weights.pt), or use device_count 1."
             )

@@ -159,18 +159,23 @@ def _run_step(
         if on_fairscale:
             final_weights = Path(step.work_dir) / "weights.pt"
             stack.enter_context(compat.final_weights_from_disk(final_weights, load_final_weights))
-        return _train_distributed(step, launch, original, args, kwargs)
+        return _train_distributed(step, launch, original, args, kwargs, on_fairscale)
 
 
 def _train_distributed(
-    step: Any, launch: Any, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    step: Any,
+    launch: Any,
+    original: Callable[..., Any],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    on_fairscale: bool,
 ) -> Any:
     """The step's workers spawned on this host, alone or as one host of several."""
     if launch is not None:
         return finish_result(_train_across_hosts(step, launch, original, args, kwargs))
     # (c) Served from this process for the life of the step (see tango_fairscale.launch).
     configured = getattr(step, "_config", None) or {}
-    one_worker = _SPAWN_ONE_WORKER.set(len(kwargs.get("devices") or ()) == 1)
+    one_worker = _SPAWN_ONE_WORKER.set(on_fairscale and len(kwargs.get("devices") or ()) == 1)
     try:
         with (
             launching.rendezvous_store(

@@ -69,6 +69,28 @@ class RecordLosses(TrainCallback):
         path.write_text(json.dumps(losses))
 
 
+@TrainCallback.register("test::record_process")
+class RecordProcess(TrainCallback):
+    """
+    Writes ``process.json`` to the work directory before training: the process that trains (its
+    parent's id, so that a test tells Tango's main process from a worker spawned by it) and its
+    process group, as the workers see them.
+    """
+
+    def pre_train_loop(self) -> None:
+        import torch.distributed as dist
+
+        if not self.is_local_main_process:
+            return
+        record = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "process_group": dist.is_initialized(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else None,
+        }
+        (self.train_config.work_dir / "process.json").write_text(json.dumps(record))
+
+
 @TrainCallback.register("test::slow_down")
 class SlowDown(TrainCallback):
     """Sleeps after every batch, so that a test can kill a run between two checkpoints."""

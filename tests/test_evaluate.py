@@ -310,8 +310,9 @@ def test_bad_inputs_are_one_line_naming_the_option(pretrained: Path, tmp_path: P
         ({"model": config, "batch_size": 0}, "batch_size must be a whole number, 1 or more, got 0"),
         ({"model": built, "device_count": 2}, "model is a model built already (a step's result)"),
         (
-            {"model": config, "training_engine": Lazy(TrainingEngine)},
-            "training_engine is for a sharded evaluation",
+            {"model": built, "training_engine": Lazy(TrainingEngine)},
+            "training_engine builds the model sharded in each worker from its config, but model is a model "
+            "built already",
         ),
         (
             {
@@ -399,18 +400,28 @@ def check_evaluations(
 
 
 def test_tango_run_evaluates_in_one_process_and_sharded(pretrained: Path, tmp_path: Path) -> None:
-    """Both routes of the step through the command line (sharded: the workers it spawns)."""
+    """
+    Both routes of the step through the command line (sharded: the workers it spawns), the
+    sharded one with one worker too (device_count 1 with a training_engine, as on one GPU).
+    """
+    engine = {"type": "fairscale", "init_on_meta": True}
     config = {
         "steps": {
             "data": data_step(pretrained),
             "one": evaluation_step(gpt2_config(pretrained, wrapped=False)),
             "sharded": evaluation_step(gpt2_config(pretrained), device_count=2),
+            "one_worker": evaluation_step(gpt2_config(pretrained), training_engine=engine),
         }
     }
     workspace = tmp_path / "workspace"
     output = run_tango(config, workspace, cwd=tmp_path, timeout=600).stdout
     loss = token_loss_by_hand(hf_model(pretrained), dataset(pretrained)["validation"])
-    check_evaluations(workspace, output, {"one": loss, "sharded": loss}, {"one": 1, "sharded": 2})
+    check_evaluations(
+        workspace,
+        output,
+        {"one": loss, "sharded": loss, "one_worker": loss},
+        {"one": 1, "sharded": 2, "one_worker": 1},
+    )
 
 
 @pytest.mark.extended

@@ -7,7 +7,9 @@ built the engine.
 """
 
 import json
+import os
 from pathlib import Path
+from typing import Dict
 
 import pytest
 import torch
@@ -33,28 +35,37 @@ def one_device(engine: str, backend: str = "fairscale") -> dict:
             engine_extra={"backend": backend},
             fsdp_config={},
         )
-    config["steps"]["train"]["callbacks"] = []
+    config["steps"]["train"]["callbacks"] = [{"type": "test::record_process"}]
     return config
 
 
-@pytest.mark.parametrize("backend", ["fairscale", "torch"])
-def test_one_device_trains_in_one_worker_as_tangos_engine_does(tmp_path: Path, backend: str) -> None:
-    reference = tmp_path / "tango_engine"
-    run_tango(one_device("torch"), reference / "ws", cwd=reference)
-    sharded = tmp_path / backend
-    result = run_tango(one_device("fairscale", backend), sharded / "ws", cwd=sharded)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
+    """Tango's own engine on the one device, in Tango's process."""
+    cwd = tmp_path_factory.mktemp("tango_engine")
+    run_tango(one_device("torch"), cwd / "ws", cwd=cwd)
+    process = json.loads((train_work_dir(cwd / "ws") / "process.json").read_text())
+    # The reference trained in `tango run`'s own process (this test's child), without a process
+    # group: what the engine's step does differently is spawn a worker that has one.
+    assert process["ppid"] == os.getpid() and not process["process_group"], process
+    return load_weights(cwd / "ws")
 
-    difference = max_abs_difference(load_weights(sharded / "ws"), load_weights(reference / "ws"))
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_one_device_trains_in_one_worker_as_tangos_engine_does(
+    tmp_path: Path, backend: str, reference: Dict[str, torch.Tensor]
+) -> None:
+    run_tango(one_device("fairscale", backend), tmp_path / "ws", cwd=tmp_path)
+
+    difference = max_abs_difference(load_weights(tmp_path / "ws"), reference)
     assert difference <= TOLERANCE, difference
-    work_dir = train_work_dir(sharded / "ws")
-    # Trained by a worker of a process group of one (the run line's world), checkpointed by it.
-    run = json.loads((work_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert run["world_size"] == 1, run
-    assert (work_dir / "checkpoint_state_step8").is_dir()
-    assert "needs a process group" not in result.stdout + result.stderr
-    assert (
-        torch.load(work_dir / "weights.pt", weights_only=True).keys() == load_weights(reference / "ws").keys()
-    )
+    work_dir = train_work_dir(tmp_path / "ws")
+    # Trained by a worker that `tango run` spawned (its parent is not this test), in a process
+    # group of one, and checkpointed by it.
+    process = json.loads((work_dir / "process.json").read_text())
+    assert process["ppid"] != os.getpid(), process
+    assert process["process_group"] and process["world_size"] == 1, process
+    assert (work_dir / "checkpoint_state_step8" / "COMPLETE.json").is_file()
 
 
 def test_an_engine_built_without_a_process_group_says_how_to_get_one(tmp_path: Path) -> None:

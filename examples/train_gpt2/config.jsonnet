@@ -11,7 +11,7 @@
 local size = std.extVar("size");
 
 // Workers: one per GPU (NCCL) when the machine has at least device_count GPUs, else CPU
-// processes (gloo). On GPUs: set device_count to the number of GPUs (2 or more), amp to true.
+// processes (gloo). On GPUs: set device_count to the number of GPUs (1 included), amp to true.
 local device_count = 2;
 local amp = false;
 
