@@ -67,6 +67,11 @@ TINY_LLAMA: Dict[str, Any] = {
 }
 
 
+def pretrained_name(key: str) -> str:
+    """The pretrained file's name of a frozen base tensor in a LoRA ``PeftModel``'s state dict."""
+    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def word_tokenizer(vocab_size: int) -> Any:
     """A word-level tokenizer of ``vocab_size`` words ``w0``, ``w1``, ... (nothing to download)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

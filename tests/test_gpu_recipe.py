@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TANGO, free_port, tango_env, word_tokenizer
+from tests.helpers import REPO, TANGO, free_port, pretrained_name, tango_env, word_tokenizer
 
 pytest.importorskip("peft")
 
@@ -135,8 +135,7 @@ def test_the_recipe_trains_and_exports(pretrained: Path, tmp_path: Path, workers
 
         # The frozen base is the pretrained file's, bit for bit; the adapters trained (lora_B
         # starts at zero), and the exported adapter directory loads onto the pretrained model.
-        prefix = "base_model.model."
-        base = {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in weights.items()}
+        base = {pretrained_name(key): value for key, value in weights.items()}
         assert all(torch.equal(base[name], start[name]) for name in start)
         adapters = {name: value for name, value in weights.items() if "lora_B" in name}
         assert len(adapters) == 3 * 4 and all(value.abs().sum() > 0 for value in adapters.values())

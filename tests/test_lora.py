@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests import harness
-from tests.helpers import TINY_LLAMA, max_abs_difference, train_config
+from tests.helpers import TINY_LLAMA, max_abs_difference, pretrained_name, train_config
 
 pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
@@ -113,11 +113,6 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str
 WORK_DIRS: Dict[str, Path] = {}
 
 
-def _base_name(key: str) -> str:
-    """The pretrained file's name of a frozen base tensor in the PeftModel's state dict."""
-    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 @pytest.mark.parametrize("backend, init_on_meta", VARIANTS)
 def test_lora_trains_as_ddp_with_the_base_bit_identical(
     runs: Dict[str, Dict[str, torch.Tensor]], pretrained: Path, backend: str, init_on_meta: bool
@@ -132,7 +127,9 @@ def test_lora_trains_as_ddp_with_the_base_bit_identical(
     base = [key for key in weights if "lora_" not in key]
     for key in base:
         # The tied head is saved once, as the embedding.
-        name = _base_name(key) if _base_name(key) != "lm_head.weight" else "model.embed_tokens.weight"
+        name = (
+            pretrained_name(key) if pretrained_name(key) != "lm_head.weight" else "model.embed_tokens.weight"
+        )
         assert torch.equal(weights[key], files[name]), key
     difference = max_abs_difference(weights, ddp)
     print(f"[{backend}, init_on_meta={init_on_meta}] max |weights.pt - DDP| = {difference:.3e}")

@@ -18,7 +18,14 @@ import torch
 from tango_fairscale import cli, consolidation
 from tango_fairscale.checkpointing import pretrained_base
 from tests import harness
-from tests.helpers import TINY_LLAMA, max_abs_difference, readme_command_lines, save_tiny_llama, train_config
+from tests.helpers import (
+    TINY_LLAMA,
+    max_abs_difference,
+    pretrained_name,
+    readme_command_lines,
+    save_tiny_llama,
+    train_config,
+)
 
 pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
@@ -65,7 +72,7 @@ def _llama_run(
 
 def _file_tensor(files: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """The pretrained file's tensor of a PeftModel state-dict key (the LM head is tied to the embedding)."""
-    name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    name = pretrained_name(key)
     return files[name] if name in files else files["model.embed_tokens.weight"]
 
 
