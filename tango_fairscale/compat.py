@@ -15,6 +15,8 @@ there, and refuses with an error naming both otherwise:
 - :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
+- :func:`enable_cpu_fsdp2` installs S1 in a process whose FSDP2 units compute on the CPU (the
+  torch backend calls it before sharding on a CPU mesh); :func:`disable_cpu_fsdp2` undoes it.
 - :func:`meta_parameter_registration` is the one torch patch (P1), active only while the
   engine builds a model with ``init_on_meta``.
 - :func:`install_transformers_patches` (called once by ``import tango_fairscale``) registers H1
@@ -23,9 +25,9 @@ there, and refuses with an error naming both otherwise:
   version then (:data:`CHECKED_WHEN_USED`), not at import.
 
 Each patch has an ID (F: FairScale, T: Tango, W: a warnings filter, D: torch's distributed
-checkpoint, P: torch's module and ``nn.init`` functions, H: ``transformers``), which the function
-that installs it names in its checks and errors. The one list of the patches, with each one's
-target, what installs it and why, is the table in ``docs/architecture.md`` ("The integration
+checkpoint, P: torch's module and ``nn.init`` functions, S: torch's FSDP2, H: ``transformers``),
+which the function that installs it names in its checks and errors. The one list of the patches,
+with each one's target, what installs it and why, is the table in ``docs/architecture.md`` ("The integration
 boundary"); a new patch gets its row there (``tests/test_docs.py`` checks that every ID named here
 has one).
 
@@ -70,9 +72,12 @@ __all__ = [
     "CHECKED_VERSIONS",
     "CHECKED_WHEN_USED",
     "IncompatibleVersionError",
+    "cpu_fsdp2_enabled",
     "cpu_fsdp_enabled",
     "disable_cpu_fsdp",
+    "disable_cpu_fsdp2",
     "enable_cpu_fsdp",
+    "enable_cpu_fsdp2",
     "install",
     "install_transformers_patches",
     "meta_parameter_registration",
@@ -498,6 +503,89 @@ def _install_bucket_without_stack() -> None:
 def cpu_fsdp_enabled() -> bool:
     """Whether :func:`enable_cpu_fsdp` is in effect in this process."""
     return _cpu_enabled
+
+
+# --- S1: FSDP2's gathered parameters on CPU workers -----------------------------------------------
+
+_fsdp2_lock = threading.Lock()
+#: S1's originals, while it is installed: (``_fsdp_param.alloc_storage``, ``free_storage``,
+#: ``FSDPParam.init_all_gather_outputs``, ``_fsdp_param_group.alloc_storage``).
+_fsdp2_originals: Optional[Tuple[Any, Any, Any, Any]] = None
+
+
+def _fsdp2_modules() -> Tuple[Any, Any]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    _require_attributes(_fsdp_param, ("alloc_storage", "free_storage", "FSDPParam"), "S1")
+    _require_attributes(_fsdp_param.FSDPParam, ("init_all_gather_outputs",), "S1")
+    _require_attributes(_fsdp_param_group, ("alloc_storage",), "S1")
+    _require_attributes(torch.UntypedStorage, ("_swap_data_ptr_",), "S1")
+    return _fsdp_param, _fsdp_param_group
+
+
+def enable_cpu_fsdp2() -> None:
+    """
+    S1: FSDP2's gathered parameters on a CPU worker each in a memory mapping of its own, unmapped
+    when the unit reshards (:mod:`~tango_fairscale.backends.torch_fsdp2.gathered_memory`); the
+    torch backend calls it before sharding on a CPU mesh. GPU workers never call it. Idempotent and
+    thread-safe; :func:`disable_cpu_fsdp2` undoes it.
+    """
+    global _fsdp2_originals
+    with _fsdp2_lock:
+        if _fsdp2_originals is not None:
+            return
+        check_version("torch")
+        from .backends.torch_fsdp2 import gathered_memory
+
+        param_module, group_module = _fsdp2_modules()
+        originals = (
+            param_module.alloc_storage,
+            param_module.free_storage,
+            param_module.FSDPParam.init_all_gather_outputs,
+            group_module.alloc_storage,
+        )
+        alloc, free, init, group_alloc = originals
+
+        def alloc_storage(tensor: torch.Tensor) -> None:
+            gathered_memory.alloc_storage(tensor, alloc)
+
+        def free_storage(tensor: torch.Tensor) -> None:
+            gathered_memory.free_storage(tensor, free)
+
+        @functools.wraps(init)
+        def init_all_gather_outputs(
+            self: Any, numels: Sequence[int], dtypes: Sequence[torch.dtype], world_size: int, device: Any
+        ) -> None:
+            gathered_memory.init_all_gather_outputs(self, numels, dtypes, world_size, device, init)
+
+        def group_alloc_storage(tensor: torch.Tensor) -> None:
+            gathered_memory.alloc_storage(tensor, group_alloc)
+
+        param_module.alloc_storage = alloc_storage
+        param_module.free_storage = free_storage
+        param_module.FSDPParam.init_all_gather_outputs = init_all_gather_outputs
+        group_module.alloc_storage = group_alloc_storage
+        _fsdp2_originals = originals
+
+
+def disable_cpu_fsdp2() -> None:
+    """Undo :func:`enable_cpu_fsdp2` (for tests), once no unit sharded under it is used any more."""
+    global _fsdp2_originals
+    with _fsdp2_lock:
+        if _fsdp2_originals is None:
+            return
+        param_module, group_module = _fsdp2_modules()
+        alloc, free, init, group_alloc = _fsdp2_originals
+        param_module.alloc_storage = alloc
+        param_module.free_storage = free
+        param_module.FSDPParam.init_all_gather_outputs = init
+        group_module.alloc_storage = group_alloc
+        _fsdp2_originals = None
+
+
+def cpu_fsdp2_enabled() -> bool:
+    """Whether :func:`enable_cpu_fsdp2` is in effect in this process."""
+    return _fsdp2_originals is not None
 
 
 # --- P1: parameters registered on meta ----------------------------------------------------------------

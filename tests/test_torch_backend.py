@@ -497,10 +497,9 @@ def test_docs_render_the_table() -> None:
 # --- single process: activation checkpointing under CPU bfloat16 autocast, safe loading -------
 
 
-def test_checkpoint_wrapper_recomputes_under_cpu_bfloat16_autocast() -> None:
-    """torch's non-reentrant checkpoint restores CPU autocast in the recompute: same gradients."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["torch-non-reentrant", "fairscale-reentrant-cpu"])
+def test_checkpoint_wrapper_recomputes_under_cpu_bfloat16_autocast(on_cpu: bool) -> None:
+    """Either wrapper ``checkpointed`` picks restores CPU autocast in the recompute: same gradients."""
     grads: List[Dict[str, torch.Tensor]] = []
     autocast: List[Tuple[bool, torch.dtype]] = []
 
@@ -511,7 +510,7 @@ def test_checkpoint_wrapper_recomputes_under_cpu_bfloat16_autocast() -> None:
         model = _model()
         model.blocks[1].get_submodule("linear").register_forward_pre_hook(record)
         if checkpointed:
-            model.blocks[1] = checkpoint_wrapper(model.blocks[1])
+            model.blocks[1] = torch_fsdp.checkpointed(model.blocks[1], on_cpu)
         x, y = _data(1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x[0], y[0])["loss"]

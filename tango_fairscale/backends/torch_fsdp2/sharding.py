@@ -32,6 +32,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from ... import compat
 from ...config import FSDPConfig, parse_dtype
 from ...devices import worker_computes_on_cpu
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
@@ -351,13 +352,37 @@ def _shard(
         )
 
 
+def checkpointed(module: nn.Module, on_cpu: bool) -> nn.Module:
+    """
+    ``module`` with its activations checkpointed (recomputed in backward), as :func:`shard_model`
+    wraps a checkpointed module: on GPUs in torch's non-reentrant :func:`checkpoint_wrapper`, as
+    upstream runs FSDP2; on a CPU mesh with FairScale's reentrant wrapper, as the fairscale backend
+    (its autocast restored by patch F5; it returns ``module`` itself, its forward replaced).
+
+    Why the CPU differs: a non-reentrant checkpoint runs the forward with autograd recording, so
+    every operation of every checkpointed layer leaves its graph node (small allocations, kept until
+    backward) in glibc's heap between that layer's freed activations, and the next layer's
+    megabyte activations did not fit the holes: with each layer's activations checkpointed, a
+    torch-backend LoRA worker's heap grew megabytes per layer that no live tensor held. A reentrant
+    one runs the forward without autograd and records it during the recompute, one layer at a time.
+    Measured together with S1 (``docs/capacity.md``, "LoRA vs full fine-tuning").
+    """
+    if on_cpu:
+        from fairscale.nn.checkpoint import checkpoint_wrapper as reentrant_checkpoint_wrapper
+
+        return reentrant_checkpoint_wrapper(module)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
 def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh: DeviceMesh) -> nn.Module:
     """
     Apply ``plan`` to ``model`` in place with FSDP2 and return it: each selected module, deepest
-    first, is allocated if its parameters are on ``meta``, wrapped in torch's non-reentrant
-    :func:`checkpoint_wrapper` if it is checkpointed, and sharded if it is an
+    first, is allocated if its parameters are on ``meta``, checkpointed (:func:`checkpointed`) if
+    the plan says so, and sharded if it is an
     FSDP unit with the plan's ``unit_config``; then the root's remaining ``meta`` parameters are
-    allocated and the root is sharded with ``root_config``. Frozen and trainable parameters may
+    allocated and the root is sharded with ``root_config``. On a CPU mesh it first installs patch S1
+    (:func:`~tango_fairscale.compat.enable_cpu_fsdp2`: gathered parameters in mappings of their
+    own). Frozen and trainable parameters may
     share a unit: each parameter is its own DTensor, and a frozen one gets no gradient.
 
     ``init_on_meta``: a unit's parameters are allocated whole and initialised on every worker
@@ -367,8 +392,8 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh:
     shards) is not used: on CPU meshes DTensor random ops repeat the same values in every shard,
     and on GPUs they draw other values than the FairScale backend does.
 
-    Parameter names are the plain model's, plus ``_checkpoint_wrapped_module.`` inside
-    checkpointed modules; :func:`torch.distributed.checkpoint.state_dict.get_state_dict` and
+    Parameter names are the plain model's, plus ``_checkpoint_wrapped_module.`` inside modules
+    checkpointed on GPUs; :func:`torch.distributed.checkpoint.state_dict.get_state_dict` and
     :func:`full_state_dict` drop that part. A plan without ``unit_config`` means FairScale's defaults
     (as ``fsdp_config: {}``). Needs an initialised process group and ``mesh`` (:func:`make_mesh`).
     """
@@ -377,6 +402,9 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh:
         check_options(unit_config, where="with_wrapped_modules.fsdp_config")
     check_options(root_config, where="training_engine.fsdp_config")
     units = set(plan.fsdp_units)
+    on_cpu = mesh.device_type == "cpu"
+    if on_cpu:
+        compat.enable_cpu_fsdp2()
     unit_buffers = UnitBuffers()
     if plan.checkpointed:
         disable_hf_kv_cache(model)
@@ -390,7 +418,7 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh:
                     module, _materialize_device(unit_config, mesh), root=model, one_allocation=True
                 )
             if name in plan.checkpointed:
-                module = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                module = checkpointed(module, on_cpu)
                 replace_submodule(model, name, module)
             if name in units:
                 _shard(module, unit_config, mesh, root=False, name=name, unit_buffers=unit_buffers)

@@ -1,0 +1,133 @@
+"""
+Patch S1 (``compat.enable_cpu_fsdp2``, ``backends/torch_fsdp2/gathered_memory.py``): FSDP2's
+gathered parameters on a CPU worker each in a memory mapping of their own, unmapped at reshard.
+"""
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+from tango_fairscale import WrapPlan, compat
+from tango_fairscale.backends.torch_fsdp2 import gathered_memory
+from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh, shard_model
+from tango_fairscale.config import FSDPConfig
+from tango_fairscale.teardown import close_process_groups
+
+
+def _vm_data_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+
+
+def _in_heap(address: int) -> bool:
+    """Whether ``address`` is in glibc's main heap (``[heap]`` in ``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("[heap]"):
+                start, end = (int(part, 16) for part in line.split()[0].split("-"))
+                return start <= address < end
+    return False
+
+
+def _resize_like_fsdp2(tensor: torch.Tensor, size: int) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != size:
+        storage.resize_(size)
+
+
+def test_alloc_and_free_swap_an_own_mapping_under_every_view() -> None:
+    tensor = torch.empty(1 << 22)  # 16 MiB
+    view = torch.as_strided(tensor, (1 << 11, 1 << 11), (1 << 11, 1), storage_offset=0)
+    tensor.untyped_storage().resize_(0)
+    torch.ones(1 << 22).sum()  # torch's compute threads (their stacks count in VmData) started first
+    before = _vm_data_kib()
+    for value in (1.0, 2.0):
+        gathered_memory.alloc_storage(tensor, lambda t: _resize_like_fsdp2(t, t.numel() * t.itemsize))
+        assert gathered_memory.in_own_mapping(tensor) and not _in_heap(tensor.data_ptr())
+        assert _vm_data_kib() >= before + (16 << 10)
+        view.fill_(value)
+        assert tensor.sum().item() == value * tensor.numel()  # the view and the tensor share it
+        gathered_memory.free_storage(tensor, lambda t: _resize_like_fsdp2(t, 0))
+        storage = tensor.untyped_storage()
+        assert storage.size() == 0 and storage.resizable() and not gathered_memory.in_own_mapping(tensor)
+        assert _vm_data_kib() < before + (4 << 10)  # unmapped with the last reference
+
+
+def test_small_tensors_keep_torchs_allocation() -> None:
+    calls: List[str] = []
+    small = torch.empty(16)
+    small.untyped_storage().resize_(0)
+    gathered_memory.alloc_storage(small, lambda t: calls.append("alloc") or _resize_like_fsdp2(t, 64))
+    assert calls == ["alloc"] and small.untyped_storage().resizable()
+    gathered_memory.free_storage(small, lambda t: calls.append("free") or _resize_like_fsdp2(t, 0))
+    assert calls == ["alloc", "free"] and small.untyped_storage().size() == 0
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(256, 256)  # a 256 KiB weight: an own mapping; its 1 KiB bias is not
+        self.head = nn.Linear(256, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.block(x)))
+
+
+@pytest.fixture
+def one_worker() -> Any:
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield make_mesh(1)
+    finally:
+        close_process_groups()
+        compat.disable_cpu_fsdp2()
+
+
+def test_a_sharded_unit_gathers_into_own_mappings_and_computes_the_same(one_worker: Any) -> None:
+    torch.manual_seed(0)
+    plain = _Net()
+    sharded = _Net()
+    sharded.load_state_dict(plain.state_dict())
+    plan = WrapPlan.build(sharded, ["block"], unit_config=FSDPConfig())
+    shard_model(sharded, plan, FSDPConfig(), one_worker)
+    assert compat.cpu_fsdp2_enabled()
+    assert _fsdp_param.free_storage is not gathered_memory.free_storage  # routed, not replaced
+    seen: Dict[str, Any] = {}
+
+    def inside(module: nn.Module, args: Any) -> None:
+        weight = module.weight
+        seen["weight"] = gathered_memory.in_own_mapping(weight) and not _in_heap(weight.data_ptr())
+        seen["bias"] = gathered_memory.in_own_mapping(module.bias)
+
+    sharded.block.register_forward_pre_hook(inside)
+    (unit,) = sharded.block._get_fsdp_state()._fsdp_param_group.fsdp_params[:1]
+    x = torch.randn(8, 256)
+    for step in range(2):
+        out, expected = sharded(x), plain(x)
+        assert seen == {"weight": True, "bias": False}, step
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        # Resharded after backward: the mapping released, the storage empty and resizable again.
+        assert [t.untyped_storage().size() for t in unit.all_gather_outputs] == [0], step
+        assert not gathered_memory.in_own_mapping(unit.all_gather_outputs[0])
+    grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+    for name, p in plain.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+
+
+def test_disable_restores_fsdp2s_functions() -> None:
+    originals = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
+    init = _fsdp_param.FSDPParam.init_all_gather_outputs
+    compat.enable_cpu_fsdp2()
+    compat.enable_cpu_fsdp2()  # idempotent
+    assert _fsdp_param.alloc_storage is not originals[0]
+    assert _fsdp_param_group.alloc_storage is not originals[2]
+    compat.disable_cpu_fsdp2()
+    assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == originals
+    assert _fsdp_param.FSDPParam.init_all_gather_outputs is init and not compat.cpu_fsdp2_enabled()
