@@ -523,6 +523,14 @@ def _fsdp2_modules() -> Tuple[Any, Any]:
     return _fsdp_param, _fsdp_param_group
 
 
+def _bind_fsdp2(functions: Tuple[Any, Any, Any, Any]) -> None:
+    """Bind S1's four names (in the order of ``_fsdp2_originals``) to ``functions``."""
+    param_module, group_module = _fsdp2_modules()
+    param_module.alloc_storage, param_module.free_storage = functions[0], functions[1]
+    param_module.FSDPParam.init_all_gather_outputs = functions[2]
+    group_module.alloc_storage = functions[3]
+
+
 def enable_cpu_fsdp2() -> None:
     """
     S1: FSDP2's gathered parameters on a CPU worker each in a memory mapping of its own, unmapped
@@ -561,10 +569,7 @@ def enable_cpu_fsdp2() -> None:
         def group_alloc_storage(tensor: torch.Tensor) -> None:
             gathered_memory.alloc_storage(tensor, group_alloc)
 
-        param_module.alloc_storage = alloc_storage
-        param_module.free_storage = free_storage
-        param_module.FSDPParam.init_all_gather_outputs = init_all_gather_outputs
-        group_module.alloc_storage = group_alloc_storage
+        _bind_fsdp2((alloc_storage, free_storage, init_all_gather_outputs, group_alloc_storage))
         _fsdp2_originals = originals
 
 
@@ -574,12 +579,7 @@ def disable_cpu_fsdp2() -> None:
     with _fsdp2_lock:
         if _fsdp2_originals is None:
             return
-        param_module, group_module = _fsdp2_modules()
-        alloc, free, init, group_alloc = _fsdp2_originals
-        param_module.alloc_storage = alloc
-        param_module.free_storage = free
-        param_module.FSDPParam.init_all_gather_outputs = init
-        group_module.alloc_storage = group_alloc
+        _bind_fsdp2(_fsdp2_originals)
         _fsdp2_originals = None
 
 

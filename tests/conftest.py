@@ -1,6 +1,6 @@
 """
-The shared toy runs, and the random generators restored after every test (the markers are
-registered in pyproject.toml).
+The shared toy runs, a one-worker process group, and the random generators restored after every
+test (the markers are registered in pyproject.toml).
 """
 
 import random
@@ -128,3 +128,19 @@ class ToyTrain:
 @pytest.fixture(scope="session")
 def toy_train(tmp_path_factory: pytest.TempPathFactory) -> ToyTrain:
     return ToyTrain(tmp_path_factory)
+
+
+@pytest.fixture
+def one_worker() -> Iterator[Any]:
+    """A one-worker gloo process group in this process, for fully_shard on a (1,) CPU mesh."""
+    import torch.distributed as dist
+
+    from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh
+    from tango_fairscale.teardown import close_process_groups
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield make_mesh(1)
+    finally:
+        close_process_groups()

@@ -3,19 +3,17 @@ Patch S1 (``compat.enable_cpu_fsdp2``, ``backends/torch_fsdp2/gathered_memory.py
 gathered parameters on a CPU worker each in a memory mapping of their own, unmapped at reshard.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 from tango_fairscale import WrapPlan, compat
 from tango_fairscale.backends.torch_fsdp2 import gathered_memory
-from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh, shard_model
+from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
 from tango_fairscale.config import FSDPConfig
-from tango_fairscale.teardown import close_process_groups
 
 
 def _vm_data_kib() -> int:
@@ -77,15 +75,11 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.block(x)))
 
 
-@pytest.fixture
-def one_worker() -> Any:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield make_mesh(1)
-    finally:
-        close_process_groups()
-        compat.disable_cpu_fsdp2()
+@pytest.fixture(autouse=True)
+def _s1_undone() -> Iterator[None]:
+    """S1 as the test found it: off unless a test (or ``shard_model`` on a CPU mesh) installs it."""
+    yield
+    compat.disable_cpu_fsdp2()
 
 
 def test_a_sharded_unit_gathers_into_own_mappings_and_computes_the_same(one_worker: Any) -> None:

@@ -303,17 +303,6 @@ def test_refused_values_name_the_field_and_backend(field: str) -> None:
     assert 'backend: "fairscale"' in message
 
 
-@pytest.fixture
-def one_worker() -> Any:
-    """A one-worker gloo process group in this process, for fully_shard on a (1,) CPU mesh."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield make_mesh(1)
-    finally:
-        close_process_groups()
-
-
 class _WithBuffers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
