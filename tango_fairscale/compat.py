@@ -562,9 +562,15 @@ def enable_cpu_fsdp2() -> None:
 
         @functools.wraps(init)
         def init_all_gather_outputs(
-            self: Any, numels: Sequence[int], dtypes: Sequence[torch.dtype], world_size: int, device: Any
+            self: Any,
+            all_gather_input_numels: Sequence[int],
+            all_gather_input_dtypes: Sequence[torch.dtype],
+            world_size: int,
+            device: Any,
         ) -> None:
-            gathered_memory.init_all_gather_outputs(self, numels, dtypes, world_size, device, init)
+            gathered_memory.init_all_gather_outputs(
+                self, all_gather_input_numels, all_gather_input_dtypes, world_size, device, init
+            )
 
         def group_alloc_storage(tensor: torch.Tensor) -> None:
             gathered_memory.alloc_storage(tensor, group_alloc)

@@ -3,6 +3,7 @@ Patch S1 (``compat.enable_cpu_fsdp2``, ``backends/torch_fsdp2/gathered_memory.py
 gathered parameters on a CPU worker each in a memory mapping of their own, unmapped at reshard.
 """
 
+from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -14,6 +15,7 @@ from tango_fairscale import WrapPlan, compat
 from tango_fairscale.backends.torch_fsdp2 import gathered_memory
 from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
 from tango_fairscale.config import FSDPConfig
+from tests import harness
 
 
 def _vm_data_kib() -> int:
@@ -90,7 +92,6 @@ def test_a_sharded_unit_gathers_into_own_mappings_and_computes_the_same(one_work
     plan = WrapPlan.build(sharded, ["block"], unit_config=FSDPConfig())
     shard_model(sharded, plan, FSDPConfig(), one_worker)
     assert compat.cpu_fsdp2_enabled()
-    assert _fsdp_param.free_storage is not gathered_memory.free_storage  # routed, not replaced
     seen: Dict[str, Any] = {}
 
     def inside(module: nn.Module, args: Any) -> None:
@@ -115,7 +116,22 @@ def test_a_sharded_unit_gathers_into_own_mappings_and_computes_the_same(one_work
         assert torch.equal(grads[name], p.grad), name
 
 
+def _fsdp2s_own() -> bool:
+    """Whether S1's four names are bound to FSDP2's own functions."""
+    return all(
+        function.__module__ == module.__name__ and function.__qualname__ == qualname
+        for function, module, qualname in (
+            (_fsdp_param.alloc_storage, _fsdp_param, "alloc_storage"),
+            (_fsdp_param.free_storage, _fsdp_param, "free_storage"),
+            (_fsdp_param.FSDPParam.init_all_gather_outputs, _fsdp_param, "FSDPParam.init_all_gather_outputs"),
+            (_fsdp_param_group.alloc_storage, _fsdp_param, "alloc_storage"),
+        )
+    )
+
+
 def test_disable_restores_fsdp2s_functions() -> None:
+    compat.disable_cpu_fsdp2()  # whatever an earlier test in this process left
+    assert _fsdp2s_own()
     originals = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
     init = _fsdp_param.FSDPParam.init_all_gather_outputs
     compat.enable_cpu_fsdp2()
@@ -125,3 +141,56 @@ def test_disable_restores_fsdp2s_functions() -> None:
     compat.disable_cpu_fsdp2()
     assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == originals
     assert _fsdp_param.FSDPParam.init_all_gather_outputs is init and not compat.cpu_fsdp2_enabled()
+    assert _fsdp2s_own()
+
+
+def _gathers_on_two_workers(worker: Any, placement_dim: int) -> Dict[str, Any]:
+    """On each of 2 workers: the plain net and its sharded copy on the same input, two steps."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh
+
+    worker.init_process_group()
+    torch.manual_seed(0)
+    plain, sharded = _Net(), _Net()
+    sharded.load_state_dict(plain.state_dict())
+    mesh = make_mesh(2)
+    if placement_dim == 0:
+        plan = WrapPlan.build(sharded, ["block"], unit_config=FSDPConfig())
+        shard_model(sharded, plan, FSDPConfig(), mesh)
+    else:  # FSDP2's other layout (copied out through a temporary), with gloo's own collectives
+        compat.enable_cpu_fsdp2()
+        # The weight on its dim 1, the 1-D bias on its only one.
+        placement = lambda param: Shard(min(placement_dim, param.dim() - 1))  # noqa: E731
+        fully_shard(sharded.block, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(sharded, mesh=mesh)
+    seen: List[bool] = []
+    sharded.block.register_forward_pre_hook(
+        lambda module, args: seen.append(gathered_memory.in_own_mapping(module.weight))
+    )
+    (unit,) = sharded.block._get_fsdp_state()._fsdp_param_group.fsdp_params[:1]
+    x = torch.randn(8, 256)  # the same on both workers: the average of their gradients is plain's
+    outputs_equal, freed = [], []
+    for _ in range(2):
+        out, expected = sharded(x), plain(x)
+        outputs_equal.append(torch.equal(out, expected))
+        out.sum().backward()
+        expected.sum().backward()
+        freed.append([t.untyped_storage().size() for t in unit.all_gather_outputs] == [0])
+    grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+    return {
+        "seen": seen,
+        "outputs_equal": outputs_equal,
+        "freed": freed,
+        "grads_equal": {name: torch.equal(grads[name], p.grad) for name, p in plain.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("placement_dim", [0, 1])
+def test_two_workers_gather_into_own_mappings_and_compute_alike(tmp_path: Path, placement_dim: int) -> None:
+    (result,) = harness.run([harness.Call(_gathers_on_two_workers, (placement_dim,))], out=tmp_path)
+    for rank, value in enumerate(result.check().values):
+        assert value["seen"] == [True, True], rank
+        assert value["outputs_equal"] == [True, True] and value["freed"] == [True, True], rank
+        assert all(value["grads_equal"].values()), (rank, value["grads_equal"])
