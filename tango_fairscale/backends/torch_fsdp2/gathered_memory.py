@@ -104,11 +104,12 @@ def init_all_gather_outputs(
         return
     outputs: List[torch.Tensor] = []
     for numel, dtype in zip(numels, dtypes):
-        output = torch.empty(0, dtype=dtype)
         count = numel * world_size
-        if count * dtype.itemsize >= OWN_MAPPING_MIN_BYTES:
-            output.set_(own_mapping_storage(count * dtype.itemsize), 0, (count,))  # type: ignore[call-overload]
-        else:
-            output = torch.empty(count, dtype=dtype)
+        nbytes = count * dtype.itemsize
+        if nbytes < OWN_MAPPING_MIN_BYTES:
+            outputs.append(torch.empty(count, dtype=dtype))
+            continue
+        output = torch.empty(0, dtype=dtype)
+        output.set_(own_mapping_storage(nbytes), 0, (count,))  # type: ignore[call-overload]
         outputs.append(output)
     fsdp_param.all_gather_outputs = outputs
