@@ -117,9 +117,11 @@ def test_a_sharded_unit_gathers_into_own_mappings_and_computes_the_same(one_work
 
 
 def _fsdp2s_own() -> bool:
-    """Whether S1's four names are bound to FSDP2's own functions."""
+    """Whether S1's four names are bound to FSDP2's own functions (a wrapper copies the names)."""
     return all(
-        function.__module__ == module.__name__ and function.__qualname__ == qualname
+        function.__module__ == module.__name__
+        and function.__qualname__ == qualname
+        and not hasattr(function, "__wrapped__")
         for function, module, qualname in (
             (_fsdp_param.alloc_storage, _fsdp_param, "alloc_storage"),
             (_fsdp_param.free_storage, _fsdp_param, "free_storage"),
