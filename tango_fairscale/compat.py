@@ -5,8 +5,12 @@ Hugging Face ``transformers``.
 Nothing here happens at import, and nothing here is the package's logic: T1 and T2 route Tango's
 step and worker functions to :mod:`tango_fairscale.train_step`, which :func:`install` is given.
 Each patch is installed explicitly, by one function, which
-first checks the version of the library it patches and that every attribute it rebinds is
-there, and refuses with an error naming both otherwise:
+first checks that the library it patches is inside the supported range (``pyproject.toml``'s;
+no release inside it is refused as a whole) and that every attribute it rebinds is there, and
+refuses with an error naming both otherwise. Where torch releases differ, a patch picks its
+variant by a flag of :mod:`tango_fairscale.versions`; where a release lacks a patch's target, only
+the feature that needs it is turned off (:func:`tango_fairscale.versions.feature_unavailable`).
+``tests/test_canaries.py`` shows, per patch, that the upstream defect is still there:
 
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
@@ -50,17 +54,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import versions
 from .cpu.collectives import GlooCollectives
 
 logger = logging.getLogger(__name__)
 
-#: The releases each patch was written against and tested with. Anything else is refused at
-#: install time (set ``TANGO_FAIRSCALE_SKIP_VERSION_CHECK=1`` to try anyway).
+#: The releases of the libraries patched in every process, as ``pyproject.toml`` pins them: a
+#: release prefix (``"1.3."``) or an exact one. torch is checked against its range instead
+#: (:data:`TORCH_RANGE`). pip's resolver keeps an installation inside these; the import refuses
+#: only what is outside them (``TANGO_FAIRSCALE_SKIP_VERSION_CHECK=1`` runs it anyway), and each
+#: patch checks its own target on the release installed.
 CHECKED_VERSIONS: Dict[str, Tuple[str, ...]] = {
     "fairscale": ("0.4.13",),
     "ai2-tango": ("1.3.",),
-    "torch": ("2.13.",),
 }
+#: torch's supported range (kept in :mod:`tango_fairscale.versions`).
+TORCH_RANGE = versions.TORCH_RANGE
 #: Libraries patched only in processes that use them (H1, H2): checked when the patch is applied
 #: or used, so that another release installed for something else does not refuse the package.
 CHECKED_WHEN_USED: Dict[str, Tuple[str, ...]] = {
@@ -72,6 +81,8 @@ __all__ = [
     "CHECKED_VERSIONS",
     "CHECKED_WHEN_USED",
     "IncompatibleVersionError",
+    "TORCH_RANGE",
+    "cpu_fsdp2_available",
     "cpu_fsdp2_enabled",
     "cpu_fsdp_enabled",
     "disable_cpu_fsdp",
@@ -96,23 +107,39 @@ def _installed_version(distribution: str) -> str:
     return version(distribution)
 
 
-def check_version(distribution: str) -> None:
-    """Refuse a release of ``distribution`` outside :data:`CHECKED_VERSIONS` or :data:`CHECKED_WHEN_USED`."""
-    found = _installed_version(distribution)
+def _in_checked_range(distribution: str, found: str) -> bool:
+    if distribution == "torch":
+        release = versions.TorchVersion(found.split("+")[0])
+        return bool(release >= TORCH_RANGE[0]) and not bool(release >= TORCH_RANGE[1])
     checked = CHECKED_VERSIONS.get(distribution) or CHECKED_WHEN_USED[distribution]
-    if any(found == v or (v.endswith(".") and found.startswith(v)) for v in checked):
+    return any(found == v or (v.endswith(".") and found.startswith(v)) for v in checked)
+
+
+def _describe_checked(distribution: str) -> str:
+    if distribution == "torch":
+        return f"torch >= {TORCH_RANGE[0]}, < {TORCH_RANGE[1]}"
+    checked = CHECKED_VERSIONS.get(distribution) or CHECKED_WHEN_USED[distribution]
+    return f"{distribution} " + " / ".join(v + ("x" if v.endswith(".") else "") for v in checked)
+
+
+def check_version(distribution: str) -> None:
+    """Refuse a release of ``distribution`` outside the range ``pyproject.toml`` requires."""
+    found = _installed_version(distribution)
+    if _in_checked_range(distribution, found):
         return
     if os.environ.get(SKIP_VERSION_CHECK_VARIABLE) == "1":
         logger.warning(
-            "%s %s was not checked with tango-fairscale (checked: %s)", distribution, found, checked
+            "%s %s is outside the releases tango-fairscale supports (%s)",
+            distribution,
+            found,
+            _describe_checked(distribution),
         )
         return
     quoted_extra = "'.[hf]'" if distribution in CHECKED_WHEN_USED else "."
     raise IncompatibleVersionError(
-        f"tango-fairscale patches {distribution} and was checked against {distribution} "
-        f"{' / '.join(v + ('x' if v.endswith('.') else '') for v in checked)}, but {found} is installed. "
-        f"Install a checked version (pip install -e {quoted_extra} resolves them), or set "
-        f"{SKIP_VERSION_CHECK_VARIABLE}=1 to run unchecked at your own risk."
+        f"tango-fairscale patches {distribution} and supports {_describe_checked(distribution)}, but "
+        f"{found} is installed. Install a supported release (pip install -e {quoted_extra} resolves "
+        f"them), or set {SKIP_VERSION_CHECK_VARIABLE}=1 to run unsupported at your own risk."
     )
 
 
@@ -379,7 +406,7 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
         _step_logic, _worker_logic = step_logic, worker_logic
         if _installed:
             return
-        for distribution in CHECKED_VERSIONS:
+        for distribution in (*CHECKED_VERSIONS, "torch"):
             check_version(distribution)
         _install_checkpoint_autocast()
         _install_root_input_cast()
@@ -519,8 +546,16 @@ def _fsdp2_modules() -> Tuple[Any, Any]:
     _require_attributes(_fsdp_param, ("alloc_storage", "free_storage", "FSDPParam"), "S1")
     _require_attributes(_fsdp_param.FSDPParam, ("init_all_gather_outputs",), "S1")
     _require_attributes(_fsdp_param_group, ("alloc_storage",), "S1")
-    _require_attributes(torch.UntypedStorage, ("_swap_data_ptr_",), "S1")
     return _fsdp_param, _fsdp_param_group
+
+
+def cpu_fsdp2_available() -> bool:
+    """
+    Whether S1 can run on this torch: it swaps new memory into the storage FSDP2 keeps with
+    ``UntypedStorage._swap_data_ptr_``, which torch 2.11 lacks. Without it, a CPU worker's FSDP2
+    units gather through torch's allocator, as FSDP2 does itself (correct; more heap on LoRA runs).
+    """
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 def _bind_fsdp2(functions: Tuple[Any, Any, Any, Any]) -> None:
@@ -543,6 +578,15 @@ def enable_cpu_fsdp2() -> None:
         if _fsdp2_originals is not None:
             return
         check_version("torch")
+        if not cpu_fsdp2_available():
+            versions.feature_unavailable(
+                "FSDP2's gathered parameters in mappings of their own on CPU workers",
+                "S1",
+                "torch.UntypedStorage._swap_data_ptr_",
+                "the torch backend's CPU workers gather through torch's allocator (the same values; "
+                "a LoRA worker's heap can grow more, docs/capacity.md)",
+            )
+            return
         from .backends.torch_fsdp2 import gathered_memory
 
         param_module, group_module = _fsdp2_modules()
@@ -600,10 +644,53 @@ _original_register_parameter = nn.Module.register_parameter
 _meta_lock = threading.Lock()
 _meta_users = 0
 
-#: P1: the ``torch.nn.init`` functions (torch 2.13) that return at once when given a meta tensor
-#: (``trunc_normal_`` through its helper, which every caller of it reaches however it was imported).
+#: P1: the ``torch.nn.init`` functions that return at once when given a meta tensor on some
+#: releases (torch 2.13 and 2.15; on 2.11 they run on meta like the others), so that recording
+#: sees none of their operators (``trunc_normal_`` through its helper, which every caller of it
+#: reaches however it was imported). P1 takes over those that skip on the installed release
+#: (:func:`meta_skipping_initialisers`, a check of the behaviour, not of the version).
 META_SKIPPING_INITIALISERS = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 _original_initialisers: Dict[str, Callable[..., Any]] = {}
+_meta_skipping: Optional[Tuple[str, ...]] = None
+
+
+def _meta_arguments(name: str) -> Tuple[Any, ...]:
+    """Arguments for ``torch.nn.init``'s ``name`` on a meta tensor (``dirac_`` needs 3 dimensions)."""
+    tensor = torch.empty(4, 4, 3, device="meta") if name == "dirac_" else torch.empty(4, 4, device="meta")
+    extra = {"_no_grad_trunc_normal_": (0.0, 1.0, -2.0, 2.0), "sparse_": (0.5,)}
+    return (tensor, *extra.get(name, ()))
+
+
+def dispatched_on_meta(function: Callable[..., Any], *args: Any) -> List[str]:
+    """The aten operators ``function(*args)`` dispatches (given meta tensors): what recording sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    operators: List[str] = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            operators.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        function(*args)
+    return operators
+
+
+def meta_skipping_initialisers() -> Tuple[str, ...]:
+    """
+    Those of :data:`META_SKIPPING_INITIALISERS` that dispatch nothing on a meta tensor on the
+    installed torch: the ones P1 must take over. Probed once per process (on meta: no memory).
+    """
+    global _meta_skipping
+    if _meta_skipping is None:
+        _require_attributes(torch.nn.init, META_SKIPPING_INITIALISERS, "P1")
+        _meta_skipping = tuple(
+            name
+            for name in META_SKIPPING_INITIALISERS
+            if not dispatched_on_meta(getattr(torch.nn.init, name), *_meta_arguments(name))
+        )
+    return _meta_skipping
 
 
 def _through(initialiser: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
@@ -622,7 +709,7 @@ def meta_parameter_registration(
     """
     While active (in any thread), ``nn.Module.register_parameter`` calls ``hook(module, name,
     param)`` after registering a parameter, and (given ``initialiser``) each of
-    :data:`META_SKIPPING_INITIALISERS` calls ``initialiser(original, *args, **kwargs)``. The
+    :func:`meta_skipping_initialisers` calls ``initialiser(original, *args, **kwargs)``. The
     rebindings are shared by all threads and counted, so they are removed only when the last user
     leaves; the first user's functions serve every thread (they check the thread's own state).
     """
@@ -636,8 +723,7 @@ def meta_parameter_registration(
     with _meta_lock:
         if _meta_users == 0:
             if initialiser is not None:
-                _require_attributes(torch.nn.init, META_SKIPPING_INITIALISERS, "P1")
-                for name in META_SKIPPING_INITIALISERS:
+                for name in meta_skipping_initialisers():
                     _original_initialisers[name] = getattr(torch.nn.init, name)
                     setattr(torch.nn.init, name, _through(initialiser, _original_initialisers[name]))
             nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]

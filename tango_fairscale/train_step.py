@@ -181,6 +181,7 @@ def _train_distributed(
             launching.rendezvous_store(
                 kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
                 set_in_config="distributed_port" in configured,
+                address=kwargs.get("distributed_address", launching.LOCAL_ADDRESS),
             ) as port,
             launching.stop_workers_on_signals(resume_hint=_resume_hint(step)),
         ):

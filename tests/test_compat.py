@@ -1,7 +1,9 @@
 """The CPU support changes FairScale's FSDP module only, and only while enabled."""
 
 import importlib
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -162,17 +164,32 @@ def test_overlaps() -> None:
     assert not collectives.overlaps(torch.zeros(3), torch.zeros(3))
 
 
-def test_unchecked_versions_are_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unsupported_versions_are_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import pytest
 
     monkeypatch.delenv(compat.SKIP_VERSION_CHECK_VARIABLE, raising=False)
     monkeypatch.setitem(compat.CHECKED_VERSIONS, "fairscale", ("0.4.12",))
-    with pytest.raises(
-        compat.IncompatibleVersionError, match=r"checked against fairscale 0\.4\.12, but 0\.4\.13"
-    ):
+    with pytest.raises(compat.IncompatibleVersionError, match=r"supports fairscale 0\.4\.12, but 0\.4\.13"):
         compat.check_version("fairscale")
     monkeypatch.setenv(compat.SKIP_VERSION_CHECK_VARIABLE, "1")
     compat.check_version("fairscale")  # warns only
+
+
+@pytest.mark.parametrize(
+    "found, supported",
+    [("2.10.2", False), ("2.11.0", True), ("2.13.0+cpu", True), ("2.15.0+cu132", True), ("2.16.0", False)],
+)
+def test_every_torch_release_in_the_range_is_supported(found: str, supported: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The range is pyproject.toml's: no release inside it is refused as a whole.
+    monkeypatch.delenv(compat.SKIP_VERSION_CHECK_VARIABLE, raising=False)
+    monkeypatch.setattr(compat.torch, "__version__", found)
+    if supported:
+        compat.check_version("torch")
+    else:
+        with pytest.raises(compat.IncompatibleVersionError, match=r"supports torch >= 2\.11, < 2\.16, but"):
+            compat.check_version("torch")
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert f'"torch>={compat.TORCH_RANGE[0]},<{compat.TORCH_RANGE[1]}"' in pyproject
 
 
 def test_missing_attribute_is_refused_before_patching() -> None:

@@ -6,6 +6,7 @@ launches across hosts: the launcher's environment, the hosts' rendezvous, the wo
 import socket
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, List, Tuple
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from tango.common.exceptions import ConfigurationError
 
 from tango_fairscale.launch import AGENT_STORE_VARIABLE, LOCAL_ADDRESS, HostInfo, HostWorld, rendezvous_store
-from tests.helpers import TANGO, load_weights, max_abs_difference, tango_env, train_config
+from tests.helpers import TANGO, free_port, load_weights, max_abs_difference, tango_env, train_config
 
 
 def test_store_serves_on_a_free_port(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,6 +33,27 @@ def test_store_serves_on_a_free_port(monkeypatch: pytest.MonkeyPatch) -> None:
         client.set("key", "value")
         assert client.get("key") == b"value"
     assert AGENT_STORE_VARIABLE not in __import__("os").environ
+
+
+def test_workers_rendezvous_as_clients_of_the_served_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    torch's ``tcp://`` rendezvous, as a spawned worker of rank 0 makes it, is a client of the store
+    the main process serves: on torch 2.14 and later only where MASTER_ADDR/MASTER_PORT name that
+    endpoint (else rank 0 serves a store of its own on the port this one holds: EADDRINUSE).
+    """
+    import os
+
+    for name in (AGENT_STORE_VARIABLE, "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "stale") if name == "MASTER_PORT" else monkeypatch.delenv(
+            name, raising=False
+        )
+    with rendezvous_store(free_port(), set_in_config=False) as served:
+        assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (LOCAL_ADDRESS, str(served))
+        url = f"tcp://{LOCAL_ADDRESS}:{served}?rank=0&world_size=2"
+        store, rank, world_size = next(dist.rendezvous(url, timeout=timedelta(seconds=10)))
+        store.set("from rank 0", "seen")
+        assert dist.TCPStore(LOCAL_ADDRESS, served, is_master=False).get("from rank 0") == b"seen"
+    assert os.environ["MASTER_PORT"] == "stale" and "MASTER_ADDR" not in os.environ
 
 
 def test_taken_default_port_is_replaced_and_taken_configured_port_refused() -> None:

@@ -66,7 +66,9 @@ EXTRA_STEPS = 2  # after loading the checkpoint on a 2x2 hybrid mesh
 GLOBAL_BATCH = 16
 MAX_NORM = 0.5
 UNITS = ["blocks\\.[0-9]+"]
-VARIANTS = ("root", "nested", "nested_ckpt", "accumulate")
+#: nested_in_ckpt: the blocks are units inside a checkpointed unit (all of ``blocks``), so their
+#: all-gathers run in the recomputation, between a backward prefetch and its copy-out.
+VARIANTS = ("root", "nested", "nested_ckpt", "nested_in_ckpt", "accumulate")
 
 
 def _model(seed: int = 0) -> ToyRegressor:
@@ -79,6 +81,8 @@ def _model(seed: int = 0) -> ToyRegressor:
 def _plan(model: nn.Module, variant: str) -> WrapPlan:
     if variant in ("root", "accumulate"):
         return WrapPlan(selected=(), checkpointed=frozenset(), fsdp=False)
+    if variant == "nested_in_ckpt":
+        return WrapPlan.build(model, ["blocks", *UNITS], activation_checkpointing=True)
     return WrapPlan.build(model, UNITS, activation_checkpointing=variant == "nested_ckpt")
 
 

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 import torch.nn as nn
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from tango.common import Params
 from tango.common.exceptions import ConfigurationError
@@ -12,8 +13,9 @@ from tango.integrations.torch import Model
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FSDPConfig, WrapPlan, compat, consolidation, plan_wrapping, with_wrapped_modules
-from tango_fairscale.backends.fairscale_fsdp.backend import apply_wrap_plan
-from tango_fairscale.wrapping import recorded_plan
+from tango_fairscale.backends.fairscale_fsdp.backend import FairScaleBackend, apply_wrap_plan
+from tango_fairscale.backends.torch_fsdp2.backend import TorchBackend
+from tango_fairscale.wrapping import recorded_plan, replace_submodule
 from tests import harness
 from tests.helpers import (
     load_weights,
@@ -60,12 +62,33 @@ def test_the_wrapper_records_its_plan_and_leaves_the_model_plain() -> None:
 
 
 def _checkpointed(model: ToyRegressor, modules: set) -> ToyRegressor:
-    """``model`` with the fairscale backend's checkpoint wrapping of ``modules`` applied (no units)."""
+    """``model`` with FairScale's checkpoint wrapper (the fairscale backend's) around ``modules``."""
     wrapped = with_wrapped_modules(model, modules, activation_checkpointing=True)
     plan = recorded_plan(wrapped)
     assert plan is not None and not plan.fsdp
-    apply_wrap_plan(wrapped, plan, torch.device("cpu"))
+    for name in plan.checkpointed:
+        replace_submodule(wrapped, name, checkpoint_wrapper(wrapped.get_submodule(name)))
     return wrapped
+
+
+def test_the_fairscale_backend_checkpoints_only_units_of_their_own() -> None:
+    """
+    FairScale frees a unit's parameters when the first reentrant checkpointed backward inside it
+    ends: checkpointed modules that are not units of their own are refused, before any worker
+    (pre-flight reads ``check_wrapper_options``) and where the plan is applied.
+    """
+    wrapped = with_wrapped_modules(toy(), {"blocks\\.[0-9]+"}, activation_checkpointing=True)
+    plan = recorded_plan(wrapped)
+    assert plan is not None
+    with pytest.raises(
+        ConfigurationError, match=r"without fsdp_config: the fairscale backend checkpoints only"
+    ):
+        apply_wrap_plan(wrapped, plan, torch.device("cpu"))
+    options = {"modules_to_wrap": ["blocks\\.[0-9]+"], "activation_checkpointing": True}
+    with pytest.raises(ConfigurationError, match=r"Add fsdp_config: \{\} to with_wrapped_modules"):
+        FairScaleBackend.check_wrapper_options(options)
+    FairScaleBackend.check_wrapper_options({**options, "fsdp_config": {}})
+    TorchBackend.check_wrapper_options(options)  # FSDP2's hooks run once per backward: allowed
 
 
 def test_checkpointing_keeps_outputs_and_gradients() -> None:

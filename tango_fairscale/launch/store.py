@@ -45,7 +45,11 @@ def _listen(port: int, timeout: timedelta) -> Optional[dist.TCPStore]:
 
 @contextmanager
 def rendezvous_store(
-    port: int, *, set_in_config: bool, timeout: timedelta = timedelta(minutes=5)
+    port: int,
+    *,
+    set_in_config: bool,
+    timeout: timedelta = timedelta(minutes=5),
+    address: str = LOCAL_ADDRESS,
 ) -> Iterator[int]:
     """
     Serve the process group's rendezvous store from Tango's main process, for the duration of
@@ -57,7 +61,11 @@ def rendezvous_store(
 
     The workers reach the store as they would a launcher's agent store: PyTorch's ``tcp://``
     rendezvous makes every rank a client when ``TORCHELASTIC_USE_AGENT_STORE`` is ``True``, which
-    is set for the spawned workers only (they inherit the environment at spawn).
+    is set for the spawned workers only (they inherit the environment at spawn). torch 2.14 and
+    later honour it only for the endpoint ``MASTER_ADDR:MASTER_PORT`` names (elsewhere rank 0
+    serves a store of its own, and its bind fails with EADDRINUSE on the port this one holds), so
+    both are set to ``address`` (the workers' ``distributed_address``) and the store's port, on
+    every release.
     """
     _check_port_number(port)
     store = _listen(port, timeout)
@@ -76,15 +84,17 @@ def rendezvous_store(
             port,
             store.port,
         )
-    previous = os.environ.get(AGENT_STORE_VARIABLE)
-    os.environ[AGENT_STORE_VARIABLE] = str(True)
+    updates = {AGENT_STORE_VARIABLE: str(True), "MASTER_ADDR": address, "MASTER_PORT": str(store.port)}
+    previous = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
     try:
         yield int(store.port)
     finally:
-        if previous is None:
-            os.environ.pop(AGENT_STORE_VARIABLE, None)
-        else:
-            os.environ[AGENT_STORE_VARIABLE] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         del store
 
 

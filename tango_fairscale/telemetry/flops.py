@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..versions import _TORCH_GREATER_EQUAL_2_15
 from .tokens import BatchCount
 
 __all__ = ["FlopMeter", "KERNEL_AND_COMPOSITE_OPS"]
@@ -47,10 +48,12 @@ def flop_counter() -> FlopCounterMode:
     runs without one (see :data:`KERNEL_AND_COMPOSITE_OPS`), so that the counted step computes
     the same numbers, bit for bit, as any other. Its count is FlopCounterMode's.
     """
-    # Keyed by the overload, which is what the mode looks up before decomposing (its own formulas
-    # are keyed by the packet, and only those are counted).
-    kept = {getattr(torch.ops.aten, name).default: _no_flops for name in KERNEL_AND_COMPOSITE_OPS}
-    return FlopCounterMode(display=False, custom_mapping=kept)
+    # Keyed as the mode looks an op up before decomposing it: by the overload up to torch 2.14,
+    # by the overload packet from 2.15. (Its own formulas are keyed by the packet, and only those
+    # are counted: an entry here counts zero, as the op without one does.)
+    packets = [getattr(torch.ops.aten, name) for name in KERNEL_AND_COMPOSITE_OPS]
+    keys = packets if _TORCH_GREATER_EQUAL_2_15 else [packet.default for packet in packets]
+    return FlopCounterMode(display=False, custom_mapping=dict.fromkeys(keys, _no_flops))
 
 
 class FlopMeter:

@@ -25,6 +25,7 @@ from ...checkpointing.compatible import check_same_optimizer
 from ...checkpointing.streaming import stream_save
 from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
+from ...errors import WrapConfigurationError
 from ...launch import HostWorld
 from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
@@ -50,6 +51,19 @@ logger = logging.getLogger(__name__)
 #: The states besides the replicated ones that every worker saves: its shards.
 SHARDED_STATES = ("model", "optimizer")
 
+#: Why the fairscale backend checkpoints only modules that are FSDP units of their own. FairScale's
+#: checkpoint is reentrant: each checkpointed module's backward is an autograd run of its own,
+#: which ends in its unit's gradient hook; FairScale then frees the unit's gathered parameters and
+#: reduce-scatters its gradient. A unit holding several checkpointed modules (or one and other
+#: layers) lost its parameters after the first one's backward ("storage of size 0", "data is
+#: not allocated yet" in the next one's recomputation).
+CHECKPOINT_WITHOUT_UNITS = (
+    "with_wrapped_modules.activation_checkpointing without fsdp_config: the fairscale backend checkpoints "
+    "only modules that are FSDP units of their own (FairScale frees a unit's parameters at the end "
+    "of the first checkpointed backward inside it). Add fsdp_config: {} to with_wrapped_modules, "
+    'or use the engine\'s backend: "torch".'
+)
+
 
 class FairScaleBackend(Backend):
     """FairScale's :class:`~fairscale.nn.FullyShardedDataParallel`, on GPUs (NCCL) and CPU workers (gloo)."""
@@ -60,6 +74,11 @@ class FairScaleBackend(Backend):
 
     #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
     module_aliases: List[Any] = []
+
+    @classmethod
+    def check_wrapper_options(cls, wrapper: Mapping[str, Any]) -> None:
+        if wrapper.get("activation_checkpointing") and wrapper.get("fsdp_config") is None:
+            raise WrapConfigurationError(CHECKPOINT_WITHOUT_UNITS)
 
     # --- its checkpoints -------------------------------------------------------------------------
 
@@ -416,6 +435,8 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
     become two flat parameters (patch F7), and the frozen one gets no gradient. Needs a process
     group when the plan has FSDP units.
     """
+    if plan.checkpointed and not plan.fsdp:
+        raise WrapConfigurationError(CHECKPOINT_WITHOUT_UNITS)
     unit_config = plan.unit_config if plan.unit_config is not None else FSDPConfig()
     # FairScale expects offloaded parameters to start on the CPU.
     offload = plan.fsdp and unit_config.move_params_to_cpu

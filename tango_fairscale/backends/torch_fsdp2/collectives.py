@@ -21,7 +21,7 @@ imports FSDP2.
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,15 @@ class UnitBuffer:
     buffers only before the next unit asks for one.
 
     - All-gather outputs: FSDP2 reads one once, when it copies the gathered shards out into the
-      unit's parameters, and that copy-out always happens before the next all-gather is
-      allocated: in forward each unit gathers and copies out in its own pre-forward; in backward
-      a unit's pre-backward copies out its own (prefetched) gather before it prefetches the next.
-      FSDP2 keeps a finished output referenced a little longer only so that, on GPUs, the next
-      all-gather on another stream can overlap the copy-out; on CPU there is no such overlap.
+      unit's parameters. In forward each unit gathers and copies out in its own pre-forward; in
+      backward a unit's pre-backward copies out its own (prefetched) gather before it prefetches
+      the next. One order breaks this: units inside a checkpointed unit gather again while it
+      is recomputed, after its pre-backward prefetched the next unit and before that unit copies
+      out. So a gather asked for while another's output in the buffer is not copied out yet
+      (FSDP2's param group still holds its ``_all_gather_result``) gets a tensor of its own
+      (:meth:`RingAllGather.allocate`). FSDP2 keeps a finished output referenced a little longer
+      only so that, on GPUs, the next all-gather on another stream can overlap the copy-out; on
+      CPU there is no such overlap.
     - Reduce-scatter inputs: FSDP2 copies a unit's gradients in, the ring reduces them, and the
       sum is in the (separate) output before the ring returns; FSDP2 keeps the input referenced
       until the next unit's reduce-scatter only so that, on GPUs, its memory is not reused while
@@ -162,13 +166,27 @@ class RingAllGather(AllGather):
         buffer: Optional[UnitBuffer] = None,
         agreement: Optional[CollectiveAgreement] = None,
         unit: int = 0,
+        param_groups: Optional[List[Any]] = None,
     ) -> None:
         self.buffer = buffer if buffer is not None else UnitBuffer()
         self.agreement = agreement
         self.unit = unit
+        #: FSDP2's param groups of the units that share ``buffer`` (``UnitBuffers.param_groups``).
+        self.param_groups: List[Any] = param_groups if param_groups is not None else []
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if any(self.buffer.holds(output) for output in self._not_copied_out()):
+            # The shared buffer still holds a gather FSDP2 has not copied out (see UnitBuffer).
+            with torch.inference_mode(False):
+                return torch.empty(*size, dtype=dtype, device=device)
         return self.buffer.allocate(size, dtype=dtype, device=device)
+
+    def _not_copied_out(self) -> Iterator[torch.Tensor]:
+        """The all-gather outputs of the units sharing the buffer that FSDP2 has not copied out."""
+        for group in self.param_groups:
+            result = getattr(group, "_all_gather_result", None)
+            if result is not None:
+                yield result.all_gather_output
 
     def __call__(
         self,
@@ -292,6 +310,8 @@ class UnitBuffers:
     scatters: UnitBuffer = field(default_factory=UnitBuffer)
     #: The units' collectives, checked to agree across the workers before each one.
     agreement: CollectiveAgreement = field(default_factory=CollectiveAgreement)
+    #: FSDP2's param group of each unit sharing ``gathers``, whose pending all-gather it checks.
+    param_groups: List[Any] = field(default_factory=list)
 
 
 def use_ring_collectives(
@@ -303,7 +323,17 @@ def use_ring_collectives(
     ``name`` is the unit's, for errors (:class:`CollectiveAgreement`).
     """
     unit = buffers.agreement.add(name)
-    module.set_custom_all_gather(RingAllGather(buffers.gathers, buffers.agreement, unit))
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is not None:  # None: a unit without parameters of its own, which gathers nothing
+        if not hasattr(group, "_all_gather_result"):
+            raise RuntimeError(
+                f"FSDP2's param group has no _all_gather_result on torch {torch.__version__}: the torch "
+                "backend's CPU all-gathers cannot tell a pending gather from a copied-out one."
+            )
+        buffers.param_groups.append(group)
+    module.set_custom_all_gather(
+        RingAllGather(buffers.gathers, buffers.agreement, unit, buffers.param_groups)
+    )
     module.set_custom_reduce_scatter(
         RingReduceScatter(buffers.scatters, ends_backward=root, agreement=buffers.agreement, unit=unit)
     )
