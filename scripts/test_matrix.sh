@@ -15,16 +15,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # torch release -> Python that runs it in the matrix.
-declare -A PYTHON_FOR=([2.11.0]=python3.10 [2.15.0]=python3.13)
+declare -A PYTHON_FOR=([2.11.0]=3.10 [2.15.0]=3.13)
 legs=("$@")
 if [ ${#legs[@]} -eq 0 ]; then
     legs=(2.11.0 2.15.0)
 fi
 
+# A runnable interpreter of Python $1 (pythonX.Y on PATH, else a pyenv installation), or nothing.
+find_python() {
+    if "python$1" -c "" >/dev/null 2>&1; then
+        echo "python$1"
+        return
+    fi
+    if command -v pyenv >/dev/null 2>&1; then
+        for candidate in "$(pyenv root)"/versions/"$1".*/bin/"python$1"; do
+            if [ -x "$candidate" ]; then
+                echo "$candidate"
+                return
+            fi
+        done
+    fi
+}
+
 for torch_release in "${legs[@]}"; do
-    python="${PYTHON_FOR[$torch_release]:-python3}"
-    if ! command -v "$python" >/dev/null 2>&1; then
-        echo "test_matrix: $python is not on PATH: torch $torch_release runs on python3 instead"
+    wanted="${PYTHON_FOR[$torch_release]:-3}"
+    python="$(find_python "$wanted")"
+    if [ -z "$python" ]; then
+        echo "test_matrix: no Python $wanted here: torch $torch_release runs on python3 instead"
         python=python3
     fi
     venv=".venv-torch$torch_release"

@@ -380,8 +380,6 @@ def plan_command(
     with ``--ext-var`` and ``-o`` overrides, then the packages of ``-i``, the config and the
     settings are imported. The other arguments are :func:`~tango_fairscale.plan.make_plan`'s.
     """
-    import json
-
     # The arguments that need nothing loaded are checked first: a typo costs no model build.
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
@@ -395,8 +393,12 @@ def plan_command(
             memory = parse_memory(device_memory)
         except ValueError as error:
             raise UsageError(f"--device-memory: {error}") from None
-    if json_path is not None and json_path.is_dir():
-        raise UsageError(f"--json {json_path} is a directory: give the path of the file to write")
+    if json_path is not None:
+        # Before any work: it replaces only a plan JSON of its own (output_paths' one rule).
+        try:
+            output_paths.check_output(json_path, output_paths.PLAN_JSON, label="--json")
+        except CheckpointError as error:
+            raise UsageError(str(error)) from None
     variables = _parse_ext_vars(ext_vars)
     found = settings_path(settings)
     tango_settings = load_settings(found)
@@ -424,7 +426,18 @@ def plan_command(
     if json_path is not None:
         try:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(plan.as_dict(), indent=2))
+            output_paths.check_output(
+                json_path, output_paths.PLAN_JSON, label="--json"
+            )  # again: the plan took a while
+            output_paths.remove_stale_temporaries(json_path)
+            temporary = output_paths.temporary_sibling(json_path)
+            try:
+                temporary.write_text(output_paths.plan_json(plan.as_dict()))
+                os.replace(temporary, json_path)
+            finally:
+                temporary.unlink(missing_ok=True)
+        except CheckpointError as error:
+            raise UsageError(str(error)) from None
         except OSError as error:
             raise UsageError(f"cannot write --json {json_path}: {error.strerror or error}") from None
 

@@ -35,10 +35,18 @@ from .version import VERSION
 
 logger = logging.getLogger(__name__)
 
-#: The kinds of output: a ``from_pretrained`` directory, and a consolidated ``.pt`` file.
+#: The kinds of output: a ``from_pretrained`` directory, a consolidated ``.pt`` file, and the
+#: JSON of ``plan --json`` (which carries the marker's fields at its top level).
 HF_EXPORT = "hf_export"
 CONSOLIDATED = "consolidated"
-_KIND_NAMES = {HF_EXPORT: "a from_pretrained directory", CONSOLIDATED: "a consolidated .pt file"}
+PLAN_JSON = "plan_json"
+_KIND_NAMES = {
+    HF_EXPORT: "a from_pretrained directory",
+    CONSOLIDATED: "a consolidated .pt file",
+    PLAN_JSON: "a plan --json file",
+}
+#: Larger than any plan JSON: a bigger file is not read to be recognised (and is not one).
+_PLAN_JSON_LIMIT = 16 << 20
 
 #: The file in each ``from_pretrained`` directory the package writes: who wrote it, and its files.
 EXPORT_MARKER = "tango_fairscale_export.json"
@@ -243,9 +251,28 @@ def is_consolidated_file(path: Path) -> bool:
     return False
 
 
+def is_plan_json(path: Path) -> bool:
+    """Whether ``path`` is a JSON file ``plan --json`` wrote (the marker's fields at its top)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        if path.stat().st_size > _PLAN_JSON_LIMIT:
+            return False
+        return _read_marker(path.read_bytes(), PLAN_JSON) is not None
+    except OSError:
+        return False
+
+
+def plan_json(content: Dict[str, object]) -> str:
+    """``plan --json``'s file: ``content`` with the marker's fields, so that a rerun may replace it."""
+    return json.dumps({**json.loads(marker(PLAN_JSON)), **content}, indent=2)
+
+
 def _is_output(path: Path, kind: str) -> Tuple[bool, List[str]]:
     if kind == HF_EXPORT:
         return is_export_dir(path) if path.is_dir() and not path.is_symlink() else (False, [])
+    if kind == PLAN_JSON:
+        return is_plan_json(path), []
     return is_consolidated_file(path), []
 
 
@@ -315,19 +342,23 @@ def check_output(
         if not replace:
             raise CheckpointError(f"output {name} already exists: pass --force to replace it")
         return
-    other = CONSOLIDATED if kind == HF_EXPORT else HF_EXPORT
-    if _is_output(path, other)[0]:
-        raise CheckpointError(
-            f"refusing to replace {name}: it is {_KIND_NAMES[other]}, not {_KIND_NAMES[kind]}; "
-            "choose another path"
-        )
-    if kind == CONSOLIDATED and path.is_dir():
-        raise CheckpointError(f"output {name} is a directory: give the path of the .pt file to write")
+    for other in _KIND_NAMES:
+        if other != kind and _is_output(path, other)[0]:
+            raise CheckpointError(
+                f"refusing to replace {name}: it is {_KIND_NAMES[other]}, not {_KIND_NAMES[kind]}; "
+                "choose another path"
+            )
+    if kind != HF_EXPORT and path.is_dir():
+        raise CheckpointError(f"output {name} is a directory: give the path of the file to write")
     described = "directory" if path.is_dir() else "file"
+    missing = {
+        HF_EXPORT: EXPORT_MARKER,
+        CONSOLIDATED: PT_MARKER_RECORD + " record",
+        PLAN_JSON: '"written_by" field',
+    }[kind]
     raise CheckpointError(
         f"refusing to replace {name}: it is a {described} this package did not write (no "
-        f"{EXPORT_MARKER if kind == HF_EXPORT else PT_MARKER_RECORD + ' record'}); remove it yourself "
-        "or choose another path"
+        f"{missing}); remove it yourself or choose another path"
     )
 
 

@@ -60,6 +60,37 @@ def plan_json(capsys: pytest.CaptureFixture, tmp_path: Path, argv: List[str]) ->
 # --- plan: reading configs like `tango run` ------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("weights.pt", b"PK\x03\x04 trained weights"),
+        ("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
+        ("COMPLETE.json", b'{"step": 4}'),
+        ("metrics.jsonl", b'{"step": 1, "loss": 0.5}\n'),
+        ("notes.json", b'{"mine": true}'),
+    ],
+)
+def test_plan_json_replaces_only_its_own_file(
+    capsys: pytest.CaptureFixture, tmp_path: Path, name: str, content: bytes
+) -> None:
+    """``plan --json`` over a file it did not write: refused before any work, the file unchanged."""
+    config = str(write_config(tmp_path / "config.json", train_config()))
+    target = tmp_path / "out" / name
+    target.parent.mkdir()
+    target.write_bytes(content)
+    message = fails(capsys, ["plan", config, "-i", TOY, "--json", str(target)])
+    # Named as what it is where the rule knows it (a checkpoint's marker, a metrics log).
+    assert message.startswith("error: refusing to ") and f"{target} (--json)" in message, message
+    assert target.read_bytes() == content
+    # Its own earlier output is replaced, and what it writes is marked as its own.
+    own = tmp_path / "elsewhere" / "plan.json"
+    for _ in range(2):
+        assert main(["plan", config, "-i", TOY, "--json", str(own)]) == 0, capsys.readouterr().err
+    written = json.loads(own.read_text())
+    assert written["written_by"] == "tango_fairscale" and written["output"] == "plan_json"
+    assert [p.name for p in own.parent.iterdir()] == ["plan.json"]  # no temporary left
+
+
 def test_overrides_change_the_world_size_and_bytes(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     config = write_config(tmp_path / "config.json", train_config(wrap="nested"))
     default = plan_json(capsys, tmp_path, [str(config), "-i", TOY])
@@ -200,7 +231,7 @@ def test_plan_option_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
     assert "argument --world-size: invalid int value: 'two'" in fails(
         capsys, ["plan", config, "--world-size", "two"]
     )
-    assert f"--json {tmp_path} is a directory" in fails(
+    assert f"output {tmp_path} (--json) is a directory" in fails(
         capsys, ["plan", config, "-i", TOY, "--json", str(tmp_path)]
     )
     message = fails(capsys, ["plan", config, "-i", TOY, "-o", '{"steps.nope.device_count": 4}'])
