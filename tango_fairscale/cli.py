@@ -68,7 +68,9 @@ def check_output(
     checkpoint ``given`` resolved to. Returns the work directory ``given`` was, if it was one.
     """
     work_dir = given if given.resolve() != checkpoint_dir.resolve() else None
-    output_paths.check_output(output, kind, replace=force, work_dir=work_dir, sources=[checkpoint_dir])
+    output_paths.check_output(
+        output, kind, replace=force, work_dir=work_dir, sources=[checkpoint_dir], running_step=False
+    )
     return work_dir
 
 
@@ -167,7 +169,9 @@ def _consolidate_adapter(
             )
             print(f"Wrote {output} (PeftModel.from_pretrained(base, {output}) loads it)")
             return
-        output_paths.check_output(output, output_paths.HF_EXPORT, work_dir=work_dir, sources=[checkpoint_dir])
+        output_paths.check_output(
+            output, output_paths.HF_EXPORT, work_dir=work_dir, sources=[checkpoint_dir], running_step=False
+        )
         with tempfile.TemporaryDirectory(prefix=".adapter-", dir=Path(output).resolve().parent) as scratch:
             adapter_dir = Path(scratch) / "adapter"
             export_peft_adapter(source, adapter_dir, skeleton, base_directory=base_directory)

@@ -6,7 +6,9 @@ main process, before any worker starts, with the same messages.
 
 import dataclasses
 import logging
+import os
 import warnings
+from pathlib import Path
 from typing import Any, List, Mapping, Optional
 
 import torch
@@ -144,6 +146,22 @@ class EngineOptions:
             raise ConfigurationError(
                 f"{_PREFIX}resume_from_checkpoint: expected a path, got {self.resume_from_checkpoint!r}."
             )
+        check_exports_apart(self.export_hf, self.export_hf_merged)
+
+
+def check_exports_apart(export_hf: Any, export_hf_merged: Any) -> None:
+    """
+    Two outputs of one run never share a path: the merged export beside (not over, nor inside,
+    nor around) the adapter export it is built from. Both are relative to the same work directory.
+    """
+    if not isinstance(export_hf, str) or not isinstance(export_hf_merged, str):
+        return
+    adapter, merged = (Path(os.path.normpath(path)) for path in (export_hf, export_hf_merged))
+    if adapter == merged or adapter in merged.parents or merged in adapter.parents:
+        raise ConfigurationError(
+            f"{_PREFIX}export_hf_merged: {export_hf_merged!r} overlaps export_hf {export_hf!r} (the "
+            "adapter export it merges): give the two exports separate directories."
+        )
 
 
 def check_cpu_threads(value: Any) -> None:

@@ -8,8 +8,9 @@ that marker lists; a consolidated ``.pt`` file carries the :data:`PT_MARKER_RECO
 zip archive (``torch.load`` ignores records it does not know, so both still load as before). Any
 other existing path is refused, as is every path that is or holds a Tango workspace, a step's work
 directory, a checkpoint directory, a step's ``weights.pt``, metrics log or checkpoint link, or lies
-inside a checkpoint directory, or inside a workspace outside a step's work directory (its other
-directories are Tango's). Before this rule ``export_hf: "."`` replaced the work directory and
+inside a checkpoint directory, inside a workspace outside a step's work directory (its other
+directories are Tango's), or inside any step's work directory but the running step's own (a
+cached step's outputs are Tango's to keep as they are; ``consolidate`` and ``plan`` run no step). Before this rule ``export_hf: "."`` replaced the work directory and
 ``consolidate WORK WORK --format hf --force`` deleted every checkpoint.
 
 The writers' temporaries are also named here, and a rerun removes those an interrupted write left
@@ -287,6 +288,7 @@ def check_output(
     work_dir: Optional[Path] = None,
     sources: Sequence[Path] = (),
     label: str = "",
+    running_step: bool = True,
 ) -> None:
     """
     Raise a one-line :class:`CheckpointError` unless an output of ``kind`` may be written at
@@ -294,6 +296,8 @@ def check_output(
     the error says to pass ``--force``). ``work_dir`` is the step's work directory (known in the
     engine and pre-flight, where it may still be empty), ``sources`` the checkpoints being read.
     ``label`` names the option the path came from in the message (``training_engine.export_hf``).
+    ``running_step``: ``work_dir`` is the running step's own, where its outputs may go; otherwise
+    (``consolidate`` reading a finished step) no work directory is written into.
     """
     path = Path(path)
     absolute = Path(os.path.abspath(path))
@@ -320,6 +324,14 @@ def check_output(
             if inside is not None:
                 raise CheckpointError(f"refusing to write {name} inside {inside}: choose a path outside it")
             if is_work_dir(directory, work_dir):
+                if not running_step or work_dir is None or not _same(directory, work_dir):
+                    # Another step's outputs (Tango keeps a cached step's as they are), or, with no
+                    # running step (consolidate, plan), any step's.
+                    raise CheckpointError(
+                        f"refusing to write {name} inside the work directory {directory}, which "
+                        f"holds {'another' if running_step and work_dir is not None else 'a'} step's outputs: "
+                        "choose a path outside it"
+                    )
                 in_work_dir = True
             elif not in_work_dir and is_workspace(directory):
                 raise CheckpointError(

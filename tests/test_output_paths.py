@@ -284,6 +284,11 @@ def test_preflight_checks_export_hf_where_the_engine_writes_it(tmp_path: Path) -
         ConfigurationError, match="training_engine.export_hf: expected a directory path, got 3"
     ):
         check_engine({**engine, "export_hf": 3}, 2, work)
+    # Two outputs of one run never share a path: the merged export apart from the adapter's.
+    check_engine({**engine, "export_hf": "adapter", "export_hf_merged": "merged"}, 2, work)
+    for merged in ("adapter", "./adapter/", "adapter/merged"):
+        with pytest.raises(ConfigurationError, match=r"export_hf_merged: .* overlaps export_hf 'adapter'"):
+            check_engine({**engine, "export_hf": "adapter", "export_hf_merged": merged}, 2, work)
     assert snapshot(tmp_path) == before
 
 
@@ -403,7 +408,7 @@ else:
     from tango_fairscale.hf_export import export_hf, weights_file
     shapes, _ = weights_file(path.parent / "weights.pt")
     config = GPT2Config(**json.loads(sys.argv[3]), architectures=["GPT2LMHeadModel"])
-    export_hf((shapes, produce), path, config)
+    export_hf((shapes, produce), path, config, work_dir=path.parent)  # as the engine's export
 """
 
 
@@ -622,3 +627,37 @@ def test_the_engines_export_refuses_weights_pt_and_replaces_an_earlier_export(
     assert not torch.equal(exported["transformer.wte.weight"], gpt2_weights(3)["transformer.wte.weight"])
     assert [path for path in [*stale, stale_weights] if os.path.lexists(path)] == []
     assert {path: snapshot(path) if path.is_dir() else path.read_bytes() for path in kept} == kept_before
+
+
+def test_no_output_goes_into_another_steps_work_directory(
+    workspace: Tuple[Path, Path], toy_train: ToyTrain, capsys: pytest.CaptureFixture
+) -> None:
+    """
+    A cached step's outputs stay as Tango keeps them: another step's export (the engine's, with
+    its own work directory), ``consolidate --force`` (any work directory: it runs no step) and
+    ``plan --json`` are refused inside a step's work directory, and its export is byte-identical.
+    """
+    ws, first = workspace
+    export(first / "weights.pt", first / "hf", work_dir=first)  # the first step's own export
+    second = ws / "cache" / "TorchTrainStep-def456" / "work"
+    second.mkdir(parents=True)
+    before = snapshot(ws)
+    for target in (first / "hf", first / "hf2"):
+        with pytest.raises(
+            CheckpointError, match=rf"inside the work directory {first}, which holds another step's"
+        ):
+            export(first / "weights.pt", target, work_dir=second)
+    source = toy_train("fairscale", "nested")
+    for target, kind in (
+        (first / "hf", ["--format", "hf", "--hf-config", str(first / "hf")]),
+        (first / "x.pt", []),
+    ):
+        assert main(["consolidate", str(source), str(target), *kind, "--force"]) == 2
+        assert f"inside the work directory {first}, which holds a step's outputs" in capsys.readouterr().err
+    # Not into the work directory it reads either: a finished step's outputs too.
+    assert main(["consolidate", str(source), str(source / "full.pt")]) == 2
+    assert f"inside the work directory {source}, which holds a step's outputs" in capsys.readouterr().err
+    assert snapshot(ws) == before and not (source / "full.pt").exists()
+    # The engine's own step still writes into its own work directory.
+    export(first / "weights.pt", second / "hf", work_dir=second)
+    assert (second / "hf" / EXPORT_MARKER).is_file()
