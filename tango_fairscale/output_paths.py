@@ -10,7 +10,8 @@ other existing path is refused, as is every path that is or holds a Tango worksp
 directory, a checkpoint directory, a step's ``weights.pt``, metrics log or checkpoint link, or lies
 inside a checkpoint directory, inside a workspace outside a step's work directory (its other
 directories are Tango's), or inside any step's work directory but the running step's own (a
-cached step's outputs are Tango's to keep as they are; ``consolidate`` and ``plan`` run no step). Before this rule ``export_hf: "."`` replaced the work directory and
+cached step's outputs are Tango's to keep as they are; ``consolidate`` and ``plan`` run no step).
+Before this rule ``export_hf: "."`` replaced the work directory and
 ``consolidate WORK WORK --format hf --force`` deleted every checkpoint.
 
 The writers' temporaries are also named here, and a rerun removes those an interrupted write left
@@ -327,10 +328,10 @@ def check_output(
                 if not running_step or work_dir is None or not _same(directory, work_dir):
                     # Another step's outputs (Tango keeps a cached step's as they are), or, with no
                     # running step (consolidate, plan), any step's.
+                    whose = "another" if running_step and work_dir is not None else "a"
                     raise CheckpointError(
                         f"refusing to write {name} inside the work directory {directory}, which "
-                        f"holds {'another' if running_step and work_dir is not None else 'a'} step's outputs: "
-                        "choose a path outside it"
+                        f"holds {whose} step's outputs: choose a path outside it"
                     )
                 in_work_dir = True
             elif not in_work_dir and is_workspace(directory):
