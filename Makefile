@@ -12,9 +12,10 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo demo-toy demo-finetune demo-finetune-lora demo-capacity test test-all lint clean
 
-# torch 2.13 has no wheels for Python < 3.10: say so before pip fails somewhere deep in the install.
+# torch 2.15 has no wheels for Python < 3.11 (3.10 reached its end of life in October 2026): say
+# so before pip fails somewhere deep in the install.
 $(BIN)/python:
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "tango-fairscale needs Python 3.10+, found " + sys.version.split()[0] + ": run make PYTHON=python3.12 (or another 3.10+)")'
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tango-fairscale needs Python 3.11+, found " + sys.version.split()[0] + ": run make PYTHON=python3.12 (or another 3.10+)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # torch release -> Python that runs it in the matrix.
-declare -A PYTHON_FOR=([2.11.0]=3.10 [2.15.0]=3.13)
+declare -A PYTHON_FOR=([2.11.0]=3.11 [2.15.0]=3.13)
 legs=("$@")
 if [ ${#legs[@]} -eq 0 ]; then
     legs=(2.11.0 2.15.0)

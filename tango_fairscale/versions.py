@@ -63,7 +63,9 @@ def feature_unavailable(feature: str, patch: str, missing: str, consequence: str
         if feature in _told:
             return
         _told.add(feature)
-    logger.warning(
+    # Info, not a warning: nothing in the config asked for the feature, and the run's results do
+    # not depend on it (each feature turned off here is a memory layout, not a value).
+    logger.info(
         "%s is off on torch %s: patch %s needs %s, which this release lacks; %s.",
         feature,
         torch_release(),

@@ -11,9 +11,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn as nn
 
 REPO = Path(__file__).resolve().parent.parent
 #: The ``tango`` command of this interpreter's environment; where packages were installed elsewhere
@@ -377,3 +378,23 @@ def descendants(pid: int) -> List[int]:
         found.append(current)
         todo += children.get(current, [])
     return found
+
+
+def build_both(
+    build: Callable[[], nn.Module], materialize: Callable[[nn.Module], None], seed: int = 13
+) -> Tuple[nn.Module, nn.Module]:
+    """The eager build and the build on meta (materialised by ``materialize``), from one seed; the
+    random generator is where the eager build left it after both the build and materialising."""
+    torch.manual_seed(seed)
+    eager = build()
+    after_eager = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    from tango_fairscale.materialize import check_initialisable, parameters_on_meta
+
+    with parameters_on_meta():
+        built = build()
+    assert torch.equal(torch.random.get_rng_state(), after_eager)
+    check_initialisable(built)
+    materialize(built)
+    assert torch.equal(torch.random.get_rng_state(), after_eager)
+    return eager, built

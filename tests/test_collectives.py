@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tango_fairscale.backends.torch_fsdp2.collectives import RingAllGather, RingReduceScatter, UnitBuffer
+from tango_fairscale.backends.torch_fsdp2.collectives import (
+    RingAllGather,
+    RingReduceScatter,
+    UnitBuffer,
+    param_groups,
+)
 from tango_fairscale.cpu.collectives import GlooCollectives
 from tango_fairscale.teardown import close_process_groups
 from tests import harness
@@ -112,7 +117,7 @@ def _check_fsdp2(rank: int, world_size: int, port: int) -> None:
     units = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
     assert len(units) == 2
     for unit in units:
-        (param_group,) = unit._get_fsdp_state()._fsdp_param_groups
+        (param_group,) = param_groups(unit)
         assert isinstance(param_group._all_gather_comm, RingAllGather)
         assert isinstance(param_group._reduce_scatter_comm, RingReduceScatter)
     close_process_groups()

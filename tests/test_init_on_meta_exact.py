@@ -26,7 +26,7 @@ from tango_fairscale.materialize import (
     parameters_on_meta,
 )
 from tests import harness
-from tests.helpers import TINY_LLAMA, save_tiny_llama, train_config
+from tests.helpers import TINY_LLAMA, build_both, save_tiny_llama, train_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -69,24 +69,6 @@ def assert_same(eager: nn.Module, built: nn.Module) -> None:
     for name, tensor in expected.items():
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor), name
-
-
-def build_both(
-    build: Callable[[], nn.Module], materialize: Callable[[nn.Module], None]
-) -> Tuple[nn.Module, nn.Module]:
-    """The eager build and the build on meta (materialised by ``materialize``), from one seed; the
-    random generator is where the eager build left it after both the build and materialising."""
-    torch.manual_seed(SEED)
-    eager = build()
-    after_eager = torch.random.get_rng_state()
-    torch.manual_seed(SEED)
-    with parameters_on_meta():
-        built = build()
-    assert torch.equal(torch.random.get_rng_state(), after_eager)
-    check_initialisable(built)
-    materialize(built)
-    assert torch.equal(torch.random.get_rng_state(), after_eager)
-    return eager, built
 
 
 @pytest.mark.parametrize("one_allocation", [False, True])

@@ -34,6 +34,7 @@ from tango_fairscale.backends.torch_fsdp2.checkpoint import (
     plain_name,
     save_sharded,
 )
+from tango_fairscale.backends.torch_fsdp2.collectives import param_groups
 from tango_fairscale.backends.torch_fsdp2.sharding import (
     OPTION_TABLE,
     check_options,
@@ -333,7 +334,7 @@ def _state(module: nn.Module) -> Any:
 
 
 def _resharded_after_forward(module: nn.Module) -> bool:
-    return all(g.post_forward_mesh_info is not None for g in _state(module)._fsdp_param_groups)
+    return all(g.post_forward_mesh_info is not None for g in param_groups(module))
 
 
 def _check_reshard(mesh: Any) -> None:
@@ -359,7 +360,7 @@ def _check_offload(mesh: Any) -> None:
         )
         assert type(fully_shard_kwargs(config, on_cpu=True, root=False)["offload_policy"]) is OffloadPolicy
     model = _sharded(mesh, {"move_params_to_cpu": True}, {"move_params_to_cpu": True})
-    assert type(_state(model.block)._fsdp_param_groups[0].offload_policy) is OffloadPolicy  # CPU worker
+    assert type(param_groups(model.block)[0].offload_policy) is OffloadPolicy  # CPU worker
 
 
 def _check_mixed_precision(mesh: Any) -> None:

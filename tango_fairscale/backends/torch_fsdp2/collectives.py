@@ -302,6 +302,20 @@ class RingReduceScatter(ReduceScatter):
         return None
 
 
+def param_groups(module: Any) -> List[Any]:
+    """
+    FSDP2's param groups of a sharded ``module`` (none for a unit without parameters of its own):
+    a list from torch 2.13 (``_fsdp_param_groups``), a single optional one before
+    (``_fsdp_param_group``, which later releases keep as a property for one group).
+    """
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 @dataclass
 class UnitBuffers:
     """The buffers the FSDP2 units of one model share: all-gather outputs, reduce-scatter inputs."""
@@ -323,8 +337,7 @@ def use_ring_collectives(
     ``name`` is the unit's, for errors (:class:`CollectiveAgreement`).
     """
     unit = buffers.agreement.add(name)
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is not None:  # None: a unit without parameters of its own, which gathers nothing
+    for group in param_groups(module):
         if not hasattr(group, "_all_gather_result"):
             raise RuntimeError(
                 f"FSDP2's param group has no _all_gather_result on torch {torch.__version__}: the torch "
