@@ -218,7 +218,23 @@ def _dataset_corpora(dataset: str, text_column: str, splits: Sequence[str]) -> L
                 )
             rows = loaded[split]
         else:
-            # A saved Dataset, not a DatasetDict: it is the one split there is.
+            # A saved Dataset, not a DatasetDict: it is the one split there is, read as "train".
+            # Any other split named (dataset_split, or a validation split) would silently be the
+            # same rows.
+            if splits[0] != "train" or len(splits) > 1:
+                field, named = (
+                    ("dataset_split", splits[0])
+                    if splits[0] != "train"
+                    else (
+                        "dataset_validation_split",
+                        splits[1],
+                    )
+                )
+                raise TextDataError(
+                    f"{STEP_NAME}: dataset {dataset} is a saved Dataset (one split, no names), so "
+                    f"{field} {named!r} names nothing in it: remove {field}, or save a DatasetDict "
+                    "with the splits (datasets.DatasetDict({...}).save_to_disk)"
+                )
             rows = loaded
         if text_column not in rows.column_names:
             raise TextDataError(

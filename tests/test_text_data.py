@@ -330,6 +330,20 @@ def test_dataset_errors_come_before_the_tokenizer_is_loaded(tmp_path: Path) -> N
     )
     (tmp_path / "not_a_tokenizer").mkdir()  # a directory AutoTokenizer cannot load
     common = dict(dataset=str(tmp_path / "saved"), tokenizer=str(tmp_path / "not_a_tokenizer"))
+    datasets.Dataset.from_dict({"body": ["a b"]}).save_to_disk(str(tmp_path / "plain"))
+    plain = dict(
+        dataset=str(tmp_path / "plain"), tokenizer=str(tmp_path / "not_a_tokenizer"), text_column="body"
+    )
+    for message, kwargs in {
+        "is a saved Dataset \\(one split, no names\\), so dataset_split 'validation' names nothing": dict(
+            dataset_split="validation"
+        ),
+        "so dataset_validation_split 'validation' names nothing in it: remove": dict(
+            dataset_validation_split="validation"
+        ),
+    }.items():
+        with pytest.raises(ConfigurationError, match=message):
+            run_step(**{**plain, **kwargs})
     for message, kwargs in {
         "has no column 'text': its columns are \\['body', 'n'\\] \\(set text_column\\)": {},
         "column 'n' of dataset .* holds Value\\('int64'\\), not text": dict(text_column="n"),
