@@ -25,7 +25,9 @@ only when a model uses it.
 """
 
 import dataclasses
+import difflib
 import json
+import re
 import sys
 import warnings
 from typing import Any, Dict, List, Optional, Union
@@ -74,14 +76,24 @@ class LoraOptions(FromParams):
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigurationError(f"{LORA_TYPE}.r: must be a positive integer, got {self.r!r}.")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise ConfigurationError(f"{LORA_TYPE}.lora_alpha: must be > 0, got {self.lora_alpha!r}.")
-        if not 0.0 <= self.lora_dropout < 1.0:
+        if self.lora_alpha is not None and not (_is_number(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigurationError(
+                f"{LORA_TYPE}.lora_alpha: must be a number > 0, got {self.lora_alpha!r}."
+            )
+        if not (_is_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0):
             raise ConfigurationError(
                 f"{LORA_TYPE}.lora_dropout: must be in [0, 1), got {self.lora_dropout!r}."
             )
         if self.bias not in _BIAS:
             raise ConfigurationError(f"{LORA_TYPE}.bias: must be one of {list(_BIAS)}, got {self.bias!r}.")
+        if isinstance(self.target_modules, str):
+            try:
+                re.compile(self.target_modules)
+            except re.error as error:
+                raise ConfigurationError(
+                    f"{LORA_TYPE}.target_modules: {self.target_modules!r} is not a valid regular "
+                    f"expression ({error})."
+                ) from None
         # peft takes target_modules as a string (a regex), not modules_to_save.
         if isinstance(self.modules_to_save, str):
             raise ConfigurationError(
@@ -147,6 +159,7 @@ def with_lora(
 
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"{LORA_TYPE}.model: expected a torch module, got {type(model).__name__}.")
+    _check_modules_to_save(model, options.modules_to_save)
     try:
         with warnings.catch_warnings():
             # peft switches fan_in_fan_out on itself for transformers' Conv1D layers (GPT-2's),
@@ -169,6 +182,28 @@ def with_lora(
                 f"(target_modules as {how})."
             )
         raise ConfigurationError(f"{LORA_TYPE}: {message}") from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_modules_to_save(model: nn.Module, modules_to_save: Optional[List[str]]) -> None:
+    """
+    Each name of ``modules_to_save`` must be a module of ``model`` as peft matches it (the end of a
+    module's dotted name): peft ignores one that matches nothing, and the module it was meant
+    for stayed frozen.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    for wanted in modules_to_save or []:
+        if not isinstance(wanted, str) or not any(n == wanted or n.endswith("." + wanted) for n in names):
+            ends = sorted({name.rsplit(".", 1)[-1] for name in names})
+            near = difflib.get_close_matches(str(wanted), ends, n=3)
+            hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+            raise ConfigurationError(
+                f"{LORA_TYPE}.modules_to_save: {wanted!r} names no module of {type(model).__name__} "
+                f"(it must be the end of a module's dotted name, e.g. 'lm_head').{hint}"
+            )
 
 
 #: The start of peft's warning that it sets ``fan_in_fan_out`` for a ``Conv1D`` target.

@@ -197,6 +197,17 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
         ({"lora_dropout": 1.5}, "fairscale::with_lora.lora_dropout: must be in [0, 1), got 1.5"),
         ({"bias": "some"}, "fairscale::with_lora.bias: must be one of ['none', 'all', 'lora_only']"),
         ({"modules_to_save": "score"}, "modules_to_save: expected a list of module names"),
+        ({"lora_alpha": "big"}, "fairscale::with_lora.lora_alpha: must be a number > 0, got 'big'"),
+        ({"lora_dropout": "0.1"}, "fairscale::with_lora.lora_dropout: must be in [0, 1), got '0.1'"),
+        (
+            {"target_modules": "q_proj("},
+            "fairscale::with_lora.target_modules: 'q_proj(' is not a valid regular",
+        ),
+        (
+            {"target_modules": ["q_proj"], "modules_to_save": ["lm_haed"]},
+            "modules_to_save: 'lm_haed' names no module of LlamaForCausalLM (it must be the end of a "
+            "module's dotted name, e.g. 'lm_head'). Did you mean 'lm_head'?",
+        ),
         (
             {"target_modules": ["no_such_proj"]},
             "fairscale::with_lora: Target modules {'no_such_proj'} not found",
