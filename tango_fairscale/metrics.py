@@ -10,10 +10,11 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from tango.integrations.torch import TrainCallback
 
+from .callbacks import check_peak_tflops, check_whole_number
 from .cpu.memory import malloc_advises_huge_pages
 from .cpu.threads import describe_threads
 from .telemetry.callback import TelemetryCallback
@@ -157,16 +158,19 @@ class MetricsLog(TelemetryCallback):
         self, *args: Any, every: int = 1, peak_tflops: Optional[float] = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        if every < 1:
-            raise ValueError(f"fairscale::metrics: every must be >= 1, got {every}")
-        if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"fairscale::metrics: peak_tflops must be positive, got {peak_tflops}")
+        self.check_options({"every": every, "peak_tflops": peak_tflops})
         self.every = every
         self.telemetry.set_peak_tflops(peak_tflops)
         self._started = False
         self._described = False  # whether this run's run line was written
         self._infos: Dict[int, MeterInfo] = {}  # each worker's, from its first record of the run
         self._windows = RankWindows()  # each worker's figures since the previous line
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
+        """The constructor's options by name, in a worker and in pre-flight (``check_callbacks``)."""
+        check_whole_number(cls.NAME, "every", options.get("every"), 1)
+        check_peak_tflops(cls.NAME, options.get("peak_tflops"))
 
     @property
     def path(self) -> Path:

@@ -459,6 +459,12 @@ def check_callbacks(callbacks: Any, train_steps: Optional[int]) -> None:
                 callback_class = TrainCallback.resolve_class_name(type_name)[0]
             except Exception:  # noqa: BLE001 - an unknown name is Tango's error to report
                 continue
+        if isinstance(callback_class, type) and callback_class.__module__.startswith(__package__ + "."):
+            # This package's callbacks take exactly their constructors' arguments (and their bases').
+            options = _constructor_arguments(callback_class)
+            for key in config:
+                if key != "type" and key not in options:
+                    raise _not_an_option(f"callbacks[{index}].{key}", repr(type_name), key, options)
         check = getattr(callback_class, "check_options", None)
         if not callable(check):
             continue
@@ -466,6 +472,20 @@ def check_callbacks(callbacks: Any, train_steps: Optional[int]) -> None:
             check({key: value for key, value in config.items() if key != "type"}, train_steps)
         except ConfigurationError as error:
             raise ConfigurationError(f"callbacks[{index}]: {error}") from None
+
+
+def _constructor_arguments(callback_class: type) -> List[str]:
+    """The named arguments of a callback's constructor and of its bases' (Tango's included)."""
+    names: List[str] = []
+    for klass in callback_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for parameter in inspect.signature(init).parameters.values():
+            named = parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+            if named and parameter.name != "self" and parameter.name not in names:
+                names.append(parameter.name)
+    return names
 
 
 def _configs_of_type(config: Any, type_name: str) -> List[Dict[str, Any]]:

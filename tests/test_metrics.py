@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 from tango.common import Lazy, Params
+from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import DataLoader, TorchTrainStep, TrainConfig, TrainingEngine
 from tango.workspaces import LocalWorkspace
 
@@ -245,7 +246,9 @@ def test_every_writes_first_every_nth_and_last_step(tmp_path: Path, monkeypatch:
     assert [line["samples_per_second"] for line in lines] == [4.0, 4.0, 4.0, 4.0]
     assert [line["step_time_s"] for line in lines] == [1.0, 1.0, 1.0, 1.0]
 
-    with pytest.raises(ValueError, match="every must be >= 1"):
+    with pytest.raises(
+        ConfigurationError, match="fairscale::metrics: every must be a whole number, 1 or more, got 0"
+    ):
         make_callback(tmp_path, train_steps=5, every=0)
 
 

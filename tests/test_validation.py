@@ -384,6 +384,27 @@ CASES += [
         True,
     ),
     (
+        "TensorBoard option misspelt",
+        callback(type="fairscale::tensorboard", logdir="runs"),
+        "ConfigurationError",
+        "callbacks[0].logdir: not an option of 'fairscale::tensorboard': did you mean 'log_dir'?",
+        True,
+    ),
+    (
+        "metrics peak_tflops 0",
+        callback(type="fairscale::metrics", peak_tflops=0),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::metrics: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at ",
+        True,
+    ),
+    (
+        "metrics peak_tflops 1e308",
+        callback(type="fairscale::metrics", peak_tflops=1e308),
+        "ConfigurationError",
+        "callbacks[0]: fairscale::metrics: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at ",
+        True,
+    ),
+    (
         "TensorBoard every 0",
         callback(type="fairscale::tensorboard", every=0),
         "ConfigurationError",
