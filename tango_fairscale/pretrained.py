@@ -214,6 +214,25 @@ def check_config_overrides(config: Any, overrides: Mapping[str, Any], where: str
             f"fairscale::from_pretrained: config_overrides.{key} is not a field of {type(config).__name__} "
             f"({where}), so it would change nothing: {hint}"
         )
+    for key, value in overrides.items():
+        current = getattr(config, key, None) if key in fields else None
+        if not _same_kind(current, value):
+            raise ConfigurationError(
+                f"fairscale::from_pretrained: config_overrides.{key}: {value!r} is of type "
+                f"{type(value).__name__}, where {type(config).__name__}'s {key} is of type "
+                f"{type(current).__name__} ({current!r} in {where})."
+            )
+
+
+def _same_kind(current: Any, value: Any) -> bool:
+    """Whether an override ``value`` can stand where the config holds ``current`` (scalars only)."""
+    if current is None or value is None or not isinstance(current, (bool, int, float, str)):
+        return True  # unset, or a structure whose form the model's config checks itself
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(value, (int, float))  # a field such as rope_theta is saved either way
+    return isinstance(value, str)
 
 
 def check_auto_class(model_class: Any, auto_class: str, config: Any, where: str) -> None:

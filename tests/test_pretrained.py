@@ -345,6 +345,13 @@ def _misspelt_override(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str
     )
 
 
+def _override_of_another_type(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
+    return (
+        {"pretrained_model_name_or_path": str(pretrained), "config_overrides": {"n_embd": "big"}},
+        "config_overrides.n_embd: 'big' is a str, where GPT2Config's n_embd is a int (",
+    )
+
+
 #: A bad input of fairscale::from_pretrained, and the start of its one line (after any prefix).
 BAD_INPUTS = {
     "a directory that does not exist": _nowhere,
@@ -355,6 +362,7 @@ BAD_INPUTS = {
     "a config.json of other shapes": _other_shapes,
     "a damaged safetensors file": _damaged,
     "a misspelt config_overrides field": _misspelt_override,
+    "a config_overrides value of another type": _override_of_another_type,
 }
 
 
