@@ -348,7 +348,7 @@ def _misspelt_override(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str
 def _override_of_another_type(pretrained: Path, tmp: Path) -> Tuple[Dict[str, Any], str]:
     return (
         {"pretrained_model_name_or_path": str(pretrained), "config_overrides": {"n_embd": "big"}},
-        "config_overrides.n_embd: 'big' is a str, where GPT2Config's n_embd is a int (",
+        "config_overrides.n_embd: 'big' is of type str, where GPT2Config's n_embd is of type int (",
     )
 
 
