@@ -15,7 +15,7 @@ the feature that needs it is turned off (:func:`tango_fairscale.versions.feature
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
   frozen and trainable parameters in one unit (F7), a single worker's mixed-precision gradients
-  (F10), a stopped step told once (T6) and the warning filters (W1-W4).
+  (F10), a stopped step told once (T6) and the warning filters (W1-W5).
 - :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -396,7 +396,7 @@ _installed = False
 
 def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
     """
-    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W4), once; ``import
+    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W5), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
     (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
@@ -971,6 +971,14 @@ def silence_internal_warnings() -> None:
     # setuptools warns that the module is deprecated: one line in every run, about Tango's code.
     warnings.filterwarnings(
         "ignore", message="pkg_resources is deprecated", category=Warning, module=r"tango\.step_info"
+    )
+    # W5: Tango stamps each step's start with datetime.utcnow(), which Python 3.12 deprecates: one
+    # DeprecationWarning in every tango run there, about Tango's code (ai2-tango 1.3.2 is frozen).
+    warnings.filterwarnings(
+        "ignore",
+        message=r"datetime\.datetime\.utcnow\(\) is deprecated",
+        category=DeprecationWarning,
+        module=r"tango\.common\.util",
     )
 
 

@@ -46,7 +46,7 @@ from tests.helpers import REPO, TINY_LLAMA, Command, ConcurrentProcesses, free_p
 #: (``test_canary_<ID>_...``), which test_every_patch_in_the_table_has_a_canary checks.
 PATCH_IDS = [
     "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10",
-    "T1", "T2", "T3", "T4", "W1", "W2", "W3", "W4", "T6", "T5", "T7",
+    "T1", "T2", "T3", "T4", "W1", "W2", "W3", "W4", "W5", "T6", "T5", "T7",
     "D1", "S1", "P1", "H1", "H2",
 ]  # fmt: skip
 
@@ -785,6 +785,24 @@ def test_canary_W4_sharded_grad_scaler_warns_that_its_base_is_deprecated() -> No
         )
     assert all(w.category is FutureWarning for w in ours), ours
     assert any(Path(w.filename) == Path(grad_scaler.__file__) for w in ours), ours
+
+
+def test_canary_W5_tango_stamps_a_step_with_the_deprecated_utcnow() -> None:
+    """W5: Tango's ``utc_now_datetime`` (a step's start time) calls ``datetime.utcnow()``, which
+    Python 3.12 and later deprecate (DeprecationWarning from Tango's file)."""
+    from tango.common import util
+
+    if sys.version_info < (3, 12):
+        pytest.skip(
+            f"Python {sys.version.split()[0]} does not deprecate datetime.utcnow(): W5 filters nothing"
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        util.utc_now_datetime()
+    ours = [w for w in caught if "datetime.datetime.utcnow() is deprecated" in str(w.message)]
+    if not ours:
+        _retire("W5", "Tango's utc_now_datetime no longer calls the deprecated datetime.utcnow()")
+    assert all(w.category is DeprecationWarning and Path(w.filename) == Path(util.__file__) for w in ours)
 
 
 def test_canary_T6_tango_logs_a_stopped_step_as_an_uncaught_exception() -> None:

@@ -260,7 +260,8 @@ def fake_checkpoint(directory: Path) -> Path:
 
 
 def test_consolidate_argument_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    checkpoint = fake_checkpoint(tmp_path / "checkpoint_state_step4")
+    # In a work directory of its own: the outputs below go beside it, not into it (refused).
+    checkpoint = fake_checkpoint(tmp_path / "work" / "checkpoint_state_step4")
     missing = tmp_path / "gone"
     assert fails(capsys, ["consolidate", str(missing), str(tmp_path / "out.pt")]) == (
         f"error: checkpoint directory {missing} does not exist"
