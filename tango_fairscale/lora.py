@@ -188,14 +188,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_modules_to_save(model: nn.Module, modules_to_save: Optional[List[str]]) -> None:
+def _check_modules_to_save(model: nn.Module, modules_to_save: Optional[Union[str, List[str]]]) -> None:
     """
     Each name of ``modules_to_save`` must be a module of ``model`` as peft matches it (the end of a
     module's dotted name): peft ignores one that matches nothing, and the module it was meant
     for stayed frozen.
     """
     names = [name for name, _ in model.named_modules() if name]
-    for wanted in modules_to_save or []:
+    # A string was refused by LoraOptions already (it is a list of names here).
+    for wanted in [] if isinstance(modules_to_save, str) else modules_to_save or []:
         if not isinstance(wanted, str) or not any(n == wanted or n.endswith("." + wanted) for n in names):
             ends = sorted({name.rsplit(".", 1)[-1] for name in names})
             near = difflib.get_close_matches(str(wanted), ends, n=3)
