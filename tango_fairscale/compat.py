@@ -152,6 +152,30 @@ def _require_attributes(module: Any, names: Sequence[str], patch: str) -> None:
         )
 
 
+def _require_signature(function: Any, parameters: Sequence[str], patch: str) -> None:
+    """
+    ``function`` (which ``patch`` wraps, calling it with these arguments) takes exactly
+    ``parameters``, in order: a release that added or renamed one is refused, naming the patch.
+    """
+    import inspect
+
+    found = list(inspect.signature(function).parameters)
+    if found != list(parameters):
+        raise IncompatibleVersionError(
+            f"tango-fairscale patch {patch} wraps {function.__qualname__}, whose parameters are {found} "
+            f"on this installation, not {list(parameters)}: the library changed."
+        )
+
+
+def signature_matches(function: Any, parameters: Sequence[str]) -> bool:
+    """Whether :func:`_require_signature` would accept ``function``."""
+    try:
+        _require_signature(function, parameters, "")
+    except IncompatibleVersionError:
+        return False
+    return True
+
+
 # --- F5: autocast state of checkpointed recomputation -------------------------------------------
 
 _AutocastState = Tuple[Tuple[str, torch.dtype], ...]
@@ -310,6 +334,8 @@ def _install_unsharded_grad_cast() -> None:
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
     _require_attributes(FullyShardedDataParallel, ("_post_reduction_hook",), "F10")
+    hook = FullyShardedDataParallel._post_reduction_hook
+    _require_signature(getattr(hook, "__wrapped__", hook), ("self", "param", "reduced_grad"), "F10")
     hook = FullyShardedDataParallel._post_reduction_hook
     if getattr(hook, "__tango_fairscale_patch__", None) != "F10":
         FullyShardedDataParallel._post_reduction_hook = _cast_unsharded_grad_then(hook)  # type: ignore[method-assign]
@@ -516,6 +542,9 @@ def _install_bucket_without_stack() -> None:
     bucketer = _fairscale_modules()[1].ReduceScatterBucketer
     _require_attributes(bucketer, ("reduce_scatter_async", "_get_shard_size", "_get_bucket"), "F9")
     original = bucketer.reduce_scatter_async
+    _require_signature(
+        getattr(original, "__wrapped__", original), ("self", "input_list", "group", "callback_fn"), "F9"
+    )
     if getattr(original, "__tango_fairscale_patch__", None) == "F9":
         return
 
@@ -555,7 +584,17 @@ def cpu_fsdp2_available() -> bool:
     ``UntypedStorage._swap_data_ptr_``, which torch 2.11 lacks. Without it, a CPU worker's FSDP2
     units gather through torch's allocator, as FSDP2 does itself (correct; more heap on LoRA runs).
     """
-    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    init = _fsdp_param.FSDPParam.init_all_gather_outputs
+    # S1's replacement takes these and no more (torch 2.11's adds force_recreate).
+    return signature_matches(getattr(init, "__wrapped__", init), _S1_INIT_PARAMETERS)
+
+
+#: The parameters of ``FSDPParam.init_all_gather_outputs`` that S1's replacement passes on.
+_S1_INIT_PARAMETERS = ("self", "all_gather_input_numels", "all_gather_input_dtypes", "world_size", "device")
 
 
 def _bind_fsdp2(functions: Tuple[Any, Any, Any, Any]) -> None:
@@ -582,7 +621,8 @@ def enable_cpu_fsdp2() -> None:
             versions.feature_unavailable(
                 "FSDP2's gathered parameters in mappings of their own on CPU workers",
                 "S1",
-                "torch.UntypedStorage._swap_data_ptr_",
+                "torch.UntypedStorage._swap_data_ptr_ and FSDPParam.init_all_gather_outputs"
+                f"{_S1_INIT_PARAMETERS[1:]}",
                 "the torch backend's CPU workers gather through torch's allocator (the same values; "
                 "a LoRA worker's heap can grow more, docs/capacity.md)",
             )
@@ -1125,6 +1165,7 @@ def spawn_grace() -> Iterator[None]:
             _require_attributes(spawn, ("ProcessContext",), "T4")
             _require_attributes(spawn.ProcessContext, ("join",), "T4")
             original = spawn.ProcessContext.join
+            _require_signature(original, ("self", "timeout", "grace_period"), "T4")
 
             @functools.wraps(original)
             def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:

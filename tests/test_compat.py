@@ -277,3 +277,20 @@ def test_p1s_probe_of_the_initialisers_draws_no_random_number(monkeypatch) -> No
     assert torch.equal(torch.random.get_rng_state(), before)
     assert set(taken) <= set(compat.META_SKIPPING_INITIALISERS)
     assert compat.meta_skipping_initialisers() is taken  # probed once per process
+
+
+def test_a_wrapped_function_whose_parameters_changed_is_refused() -> None:
+    # What F9, F10, T4 and S1 check before wrapping: a release that adds or renames a parameter.
+    def reduce_scatter_async(self, input_list, group, callback_fn=None, extra=None):  # type: ignore[no-untyped-def]
+        return None
+
+    with pytest.raises(
+        compat.IncompatibleVersionError, match=r"patch F9 wraps .*'extra'\] on this installation"
+    ):
+        compat._require_signature(reduce_scatter_async, ("self", "input_list", "group", "callback_fn"), "F9")
+    compat._require_signature(
+        lambda self, input_list, group, callback_fn: None,
+        ("self", "input_list", "group", "callback_fn"),
+        "F9",
+    )
+    assert not compat.signature_matches(reduce_scatter_async, ("self",))
