@@ -17,6 +17,7 @@ from tango.common.exceptions import ConfigurationError
 
 from .backends.lookup import BACKENDS, DEFAULT_BACKEND, backend_class
 from .config import FSDPConfig
+from .cpu.threads import available_cores
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,15 @@ class EngineOptions:
         if not timeout > 0:
             raise ConfigurationError(f"{_PREFIX}collective_timeout: must be positive, got {timeout!r}.")
         check_cpu_threads(self.cpu_threads_per_worker)
+        cores = available_cores()
+        if on_cpu and self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker > cores:
+            # OpenMP cannot start that many threads (libgomp failed at 10000); beyond the cores
+            # more threads only take turns on them.
+            raise ConfigurationError(
+                f"{_PREFIX}cpu_threads_per_worker: {self.cpu_threads_per_worker} is more than the "
+                f"{cores} cores this process may run on: give at most {cores} (or remove it for each "
+                "worker's share of the cores)."
+            )
         if warn and self.cpu_threads_per_worker is not None and not on_cpu:
             logger.info("%scpu_threads_per_worker: ignored, the workers compute on GPUs.", _PREFIX)
         if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, str):

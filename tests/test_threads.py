@@ -56,6 +56,22 @@ def test_the_cores_are_the_process_affinity() -> None:
     assert available_cores() == len(os.sched_getaffinity(0))
 
 
+def test_more_threads_than_cores_is_refused_in_one_line() -> None:
+    cores = available_cores()
+    message = (
+        f"training_engine.cpu_threads_per_worker: {cores + 1} is more than the {cores} cores this process "
+        f"may run on: give at most {cores} (or remove it for each worker's share of the cores)."
+    )
+    engine = train_config(engine_extra={"cpu_threads_per_worker": cores + 1})["steps"]["train"][
+        "training_engine"
+    ]
+    with pytest.raises(ConfigurationError) as raised:
+        check_engine(engine, device_count=2, on_cpu=True)
+    assert str(raised.value) == message
+    check_engine({**engine, "cpu_threads_per_worker": cores}, device_count=2, on_cpu=True)
+    check_engine({**engine, "cpu_threads_per_worker": 10000}, device_count=1, on_cpu=False)  # GPUs: ignored
+
+
 @pytest.mark.parametrize("value", [0, -2, True, "2", 1.5])
 def test_a_bad_option_is_refused_in_one_line(value: Any) -> None:
     message = (
