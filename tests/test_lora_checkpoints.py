@@ -136,7 +136,8 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_
     marker = json.loads((checkpoint / "COMPLETE.json").read_text())
     saved = pretrained_base.saved_base(marker)
     assert saved is not None
-    assert set(saved["files"]) == {str(pretrained / "model.safetensors")}
+    # The weights and, beside them, the config they are computed with.
+    assert set(saved["files"]) == {str(pretrained / "model.safetensors"), str(pretrained / "config.json")}
     assert set(saved["tensors"]) == set(base)
     # The resumed run, of the same config, still leaves the whole base to the files.
     resumed_marker = json.loads(

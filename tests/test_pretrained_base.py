@@ -102,6 +102,20 @@ def test_changed_or_missing_files_are_refused_naming_them(files: Path) -> None:
         pretrained_base.check_files(fields)
 
 
+def test_a_changed_config_beside_the_files_is_refused(files: Path) -> None:
+    """The base's config.json is in its digests: a base under another config is not the saved model."""
+    config = files / "config.json"
+    config.write_text('{"rms_norm_eps": 1e-06}')
+    base = pretrained_base.frozen_base(_built(files, ["embed.weight"]))
+    assert base is not None
+    fields = base.marker_fields()
+    assert set(fields["files"]) == {str(files / "model.safetensors"), str(config)}
+    pretrained_base.check_files(fields)
+    config.write_text('{"rms_norm_eps": 0.125}')  # the same size: the hash sees it
+    with pytest.raises(CheckpointError, match=f"The pretrained file {config} changed .*SHA-256 differs"):
+        pretrained_base.check_files(fields)
+
+
 def test_left_out_parameters_must_be_the_same_tensors_of_both_runs(files: Path) -> None:
     base = pretrained_base.frozen_base(_built(files, ["embed.weight"]))
     assert base is not None

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: The marker's field that describes the base (absent when the checkpoint holds every parameter).
 MARKER_FIELD = "pretrained_base"
+#: The model configuration beside the weight files, in the base's digests too.
+CONFIG_FILE = "config.json"
 
 
 class PretrainedBase:
@@ -53,8 +55,12 @@ class PretrainedBase:
     def marker_fields(self) -> Dict[str, Any]:
         """The marker's ``pretrained_base``: each file's digest, each parameter's file and tensor."""
         if self._digests is None:
-            # Hashed once per run, by the processes that write markers.
-            self._digests = {path: file_digest(Path(path)) for path in sorted(self.files)}
+            # Hashed once per run, by the processes that write markers; with each weight file's
+            # directory's config.json, which shapes how the base computes (rms_norm_eps, rope):
+            # a base read back unchanged under another config is not the model that was saved.
+            configs = {str(Path(path).parent / CONFIG_FILE) for path in self.files}
+            described = sorted(self.files | {path for path in configs if Path(path).is_file()})
+            self._digests = {path: file_digest(Path(path)) for path in described}
         return {
             "files": self._digests,
             "tensors": {k: list(v) for k, v in self.tensors.items()},
