@@ -33,6 +33,7 @@ from .lora import LoraOptions, with_lora
 from .materialize import building_on_meta
 from .metrics import MetricsLog
 from .pretrained import from_pretrained, load_on_meta
+from .step_config import step_config_error
 from .text_data import TokenBlocks, TokenizeText
 from .validate_first import ValidateFirst
 from .version import VERSION as __version__
@@ -41,7 +42,7 @@ from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 # Every change to FairScale, Tango and torch is made by tango_fairscale.compat, and only when
 # asked: this installs what every process needs, routing Tango's step and worker functions to
 # the step's logic (tango_fairscale.train_step).
-compat.install(train_step.run_step, train_step.run_worker)
+compat.install(train_step.run_step, train_step.run_worker, step_config_error)
 # ... and, when transformers or Tango's transformers integration is imported, makes that
 # integration import on the transformers we install (H1) and routes transformers' from_pretrained
 # under init_on_meta to the same unit-by-unit reading as fairscale::from_pretrained (H2).
@@ -49,6 +50,10 @@ compat.install_transformers_patches(building_on_meta, load_on_meta)
 # One host of a launch across hosts, in `tango run`: present to the other hosts from now to this
 # process's exit, so that a run that ends before the training step is seen there at once.
 launch.start_in_tango_run()
+# SIGINT or SIGTERM to `tango run`, alone or with its process group, ends it with one line and
+# exit status 130 or 143 wherever it lands (a training step stops its workers first).
+if launch.in_tango_run():
+    launch.stop_run_on_signals()
 
 __all__ = [
     "CheckpointError",

@@ -28,6 +28,13 @@ SUMMARY_FILE_NAME = "memory_summary.json"
 MAX_PEAK_TFLOPS = 1e6
 
 
+def _number(value: object) -> str:
+    """``value`` as a config gave it; a large number in short form (jsonnet makes 1e308 an integer)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}" if abs(value) >= 1e6 else repr(value)
+    return repr(value)
+
+
 def check_peak_tflops(owner: str, value: Any) -> None:
     """A callback's ``peak_tflops``: unset, or one worker's peak in TFLOP/s (a finite MFU's denominator)."""
     if value is None:
@@ -35,8 +42,8 @@ def check_peak_tflops(owner: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PEAK_TFLOPS:
         raise ConfigurationError(
             f"{owner}: peak_tflops must be one worker's peak in TFLOP/s, above 0 and at most "
-            f"{MAX_PEAK_TFLOPS:g}, got {value!r}. Remove it to take the peak from the table of GPUs (or "
-            "the measurement on CPU workers)."
+            f"{MAX_PEAK_TFLOPS:g}, got {_number(value)}. Remove it to take the peak from the table of GPUs "
+            "(or the measurement on CPU workers)."
         )
 
 

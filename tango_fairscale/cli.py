@@ -41,9 +41,12 @@ from .hf_export import (
     model_class_of,
     model_source_tensors,
 )
+from .launch.signals import StopSignal, stop_signals_raise
 from .metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
 from .plan import make_plan, parse_memory, render
+from .plan_preflight import plan_preflight
 from .plotting import MAX_PANELS, metric_keys, panels_of, plot_metrics
+from .pretrained import shapes_only
 
 TRAIN_STEP_TYPE = "torch::train"
 
@@ -361,6 +364,70 @@ def select_step(config: Path, steps: Dict[str, Any], step_name: Optional[str]) -
     return next(iter(train_steps.items()))
 
 
+#: The plan's numeric options, their ranges: beyond them an estimate means nothing (a world larger
+#: than any the suggestions try) or overflows (a sequence of 10^9 tokens).
+MAX_WORLD_SIZE = 65_536
+MAX_SEQUENCE_LENGTH = 1 << 20
+MAX_OPTIMIZER_STATES = 64
+#: ``--device-memory``'s range: 1 MiB to 1 PiB.
+DEVICE_MEMORY_RANGE = (1 << 20, 1 << 50)
+
+
+def whole_number(low: int, high: int) -> Any:
+    """An argparse ``type``: a whole number from ``low`` to ``high``, else one line saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+def check_plan_numbers(
+    world_size: Optional[int], sequence_length: Optional[int], optimizer_states: Optional[float]
+) -> None:
+    """``plan``'s numeric options within their ranges (the parser checks them too, for the command line)."""
+    for flag, value, high in (
+        ("--world-size", world_size, MAX_WORLD_SIZE),
+        ("--sequence-length", sequence_length, MAX_SEQUENCE_LENGTH),
+    ):
+        if value is not None and not (isinstance(value, int) and 1 <= value <= high):
+            raise UsageError(f"argument {flag}: must be a whole number from 1 to {high}, got {str(value)!r}")
+    if optimizer_states is not None and not (0 <= optimizer_states <= MAX_OPTIMIZER_STATES):
+        raise UsageError(
+            f"argument --optimizer-states: must be a number from 0 to {MAX_OPTIMIZER_STATES}, "
+            f"got {str(optimizer_states)!r}"
+        )
+
+
+def optimizer_states_number(text: str) -> float:
+    """An argparse ``type`` for ``--optimizer-states``: a number from 0 to :data:`MAX_OPTIMIZER_STATES`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_OPTIMIZER_STATES:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to {MAX_OPTIMIZER_STATES}, got {text!r}")
+    return value
+
+
+def device_memory_bytes(text: str) -> int:
+    """``--device-memory`` in bytes, within :data:`DEVICE_MEMORY_RANGE`; else one line saying so."""
+    low, high = DEVICE_MEMORY_RANGE
+    try:
+        memory = parse_memory(text)
+    except ValueError as error:
+        raise UsageError(f"argument --device-memory: {error}, from 1MiB to 1PiB") from None
+    if not low <= memory <= high:
+        raise UsageError(f"argument --device-memory: must be from 1MiB to 1PiB, got {text!r}")
+    return memory
+
+
 def plan_command(
     config: Path,
     step_name: Optional[str],
@@ -385,18 +452,8 @@ def plan_command(
     settings are imported. The other arguments are :func:`~tango_fairscale.plan.make_plan`'s.
     """
     # The arguments that need nothing loaded are checked first: a typo costs no model build.
-    if world_size is not None and world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}")
-    if sequence_length is not None and sequence_length < 1:
-        raise UsageError(f"--sequence-length must be at least 1, got {sequence_length}")
-    if optimizer_states is not None and not (optimizer_states >= 0 and math.isfinite(optimizer_states)):
-        raise UsageError(f"--optimizer-states must be 0 or more, got {optimizer_states}")
-    memory: Optional[int] = None
-    if device_memory is not None:
-        try:
-            memory = parse_memory(device_memory)
-        except ValueError as error:
-            raise UsageError(f"--device-memory: {error}") from None
+    check_plan_numbers(world_size, sequence_length, optimizer_states)
+    memory = device_memory_bytes(device_memory) if device_memory is not None else None
     if json_path is not None:
         # Before any work: it replaces only a plan JSON of its own (output_paths' one rule).
         try:
@@ -415,6 +472,10 @@ def plan_command(
         ]
         _import_packages(packages)
         name, step = select_step(config, data["steps"], step_name)
+        # What `tango run` refuses before its workers start, refused here with the same line; a
+        # pretrained directory of a config.json alone is what plan is for, and passes (shapes_only).
+        with shapes_only():
+            plan_preflight(name, data["steps"], world_size, device=device, sample_data=sample_data)
         plan = make_plan(
             name,
             step,
@@ -649,7 +710,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     )
     plan_parser.add_argument("--step", help="the step to plan (default: the config's only torch::train step)")
     plan_parser.add_argument(
-        "--world-size", type=int, help="number of workers (default: the step's device_count)"
+        "--world-size",
+        type=whole_number(1, MAX_WORLD_SIZE),
+        help=f"number of workers, 1 to {MAX_WORLD_SIZE} (default: the step's device_count)",
     )
     plan_parser.add_argument(
         "-i", "--include-package", action="append", default=[], help="a module to import (repeatable)"
@@ -671,8 +734,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     )
     plan_parser.add_argument(
         "--sequence-length",
-        type=int,
-        help="tokens per example of a language model's batch (default: tokenize_text's block_size)",
+        type=whole_number(1, MAX_SEQUENCE_LENGTH),
+        help=f"tokens per example of a language model's batch, 1 to {MAX_SEQUENCE_LENGTH} "
+        "(default: tokenize_text's block_size)",
     )
     plan_parser.add_argument(
         "--sample-data",
@@ -681,12 +745,14 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     )
     plan_parser.add_argument(
         "--device-memory",
-        help="judge the peak per worker against this memory per device, e.g. 80GiB (or 80G), 80GB, 24000MiB",
+        help="judge the peak per worker against this memory per device, e.g. 80GiB (or 80G), 80GB, 24000MiB "
+        "(1MiB to 1PiB)",
     )
     plan_parser.add_argument(
         "--optimizer-states",
-        type=float,
-        help="optimizer state tensors per parameter, for an optimizer whose state cannot be measured",
+        type=optimizer_states_number,
+        help=f"optimizer state tensors per parameter (0 to {MAX_OPTIMIZER_STATES}), for an optimizer whose "
+        "state cannot be measured",
     )
     plan_parser.add_argument(
         "--device",
@@ -735,6 +801,40 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    output = Path(args.output) if args.command == "consolidate" else None
+    try:
+        with stop_signals_raise(), _new_directories_removed_on_failure(output):
+            return _run_command(args)
+    except StopSignal as stopped:
+        # One line and 128 + the signal, as a shell reports it; the writers removed their
+        # temporaries (and the directories made for the output are gone), so nothing is left.
+        written = f": nothing written at {output}; run the same command again" if output else ""
+        print(f"error: {args.command} stopped by {stopped.describe()}{written}.", file=sys.stderr)
+        return stopped.exit_status
+
+
+@contextlib.contextmanager
+def _new_directories_removed_on_failure(output: Optional[Path]) -> Iterator[None]:
+    """
+    The directories above ``output`` that writing it creates (``consolidate`` makes them), removed
+    again, innermost first and only while empty, if the command stops or fails before it wrote.
+    """
+    missing: List[Path] = []
+    parent = output.absolute().parent if output is not None else None
+    while parent is not None and not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    try:
+        yield
+    except BaseException:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The command ``args`` names; its errors are one ``error:`` line and exit status 2."""
     try:
         if args.command == "consolidate" and args.format == "hf":
             if args.optimizer:

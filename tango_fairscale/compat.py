@@ -15,7 +15,8 @@ the feature that needs it is turned off (:func:`tango_fairscale.versions.feature
 - :func:`install` (called once by ``import tango_fairscale``) installs what every process
   needs: the step patches (T1, T2), the checkpoint autocast fix (F5), the input cast fix (F6),
   frozen and trainable parameters in one unit (F7), a single worker's mixed-precision gradients
-  (F10), a stopped step told once (T6) and the warning filters (W1-W5).
+  (F10), a stopped step told once (T6), a step's config mistake told in one line (T8) and the
+  warning filters (W1-W5).
 - :func:`enable_cpu_fsdp` installs F1-F4 and F9 in a process whose FSDP units compute on the CPU (the
   FairScale backend calls it before wrapping on a CPU worker); GPU workers never call it, so
   their FairScale code path is unchanged. :func:`disable_cpu_fsdp` undoes it (for tests).
@@ -41,6 +42,7 @@ Registration over the bundled integration's names (``exist_ok=True``) is in :mod
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -420,16 +422,20 @@ _install_lock = threading.Lock()
 _installed = False
 
 
-def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
+def install(
+    step_logic: StepLogic, worker_logic: StepLogic, config_error_logic: Optional[StepLogic] = None
+) -> None:
     """
-    Install the patches every process needs (T1-T3, T6, F5-F7, F10, W1-W5), once; ``import
+    Install the patches every process needs (T1-T3, T6, T8, F5-F7, F10, W1-W5), once; ``import
     tango_fairscale`` calls it with the step's logic (:mod:`tango_fairscale.train_step`): what
     the rebound step (``step_logic(original, step, *args, **kwargs)``) and worker
-    (``worker_logic(original, process_index, *args, **kwargs)``) functions run.
+    (``worker_logic(original, process_index, *args, **kwargs)``) functions run, and what tells a
+    step's construction error in one line (``config_error_logic(type_name, keys, error)``, T8).
     """
-    global _installed, _step_logic, _worker_logic
+    global _installed, _step_logic, _worker_logic, _config_error_logic
     with _install_lock:
         _step_logic, _worker_logic = step_logic, worker_logic
+        _config_error_logic = config_error_logic
         if _installed:
             return
         for distribution in (*CHECKED_VERSIONS, "torch"):
@@ -442,6 +448,7 @@ def install(step_logic: StepLogic, worker_logic: StepLogic) -> None:
         _quiet_integration_search()
         silence_internal_warnings()
         _quiet_reported_stops()
+        _one_line_step_config_errors()
         _installed = True
 
 
@@ -1040,7 +1047,7 @@ def _quiet_reported_stops() -> None:
     from tango.common import logging as tango_logging
     from tango.step import Step
 
-    from .launch.signals import TrainingStopped
+    from .launch.signals import STOPPED_HOOKS, TrainingStopped
 
     _require_attributes(Step, ("log_failure",), "T6")
     _require_attributes(tango_logging, ("_EXCEPTIONS_LOGGED",), "T6")
@@ -1059,6 +1066,99 @@ def _quiet_reported_stops() -> None:
 
     log_failure._tango_fairscale = True  # type: ignore[attr-defined]
     Step.log_failure = log_failure  # type: ignore[method-assign]
+
+    def count_as_logged(stopped: BaseException) -> None:
+        # A stop outside any step (between two steps) reaches the run's log capture without
+        # passing log_failure: counted as logged as soon as its line is (unless debugging).
+        if not logging.getLogger("tango").isEnabledFor(logging.DEBUG):
+            tango_logging._EXCEPTIONS_LOGGED.append(stopped)
+
+    STOPPED_HOOKS.append(count_as_logged)
+
+
+# --- T9: Tango's progress bars off where progress goes out as lines -----------------------------------
+
+
+def progress_bars_off() -> None:
+    """
+    T9: in this process from now on, Tango's progress bars (``tango.common.tqdm.Tqdm.tqdm``: the
+    training loop's, the validation's, catching the data loader up, the checkpoint's) are created
+    disabled: a worker whose standard error is no terminal prints its progress as lines instead
+    (:mod:`tango_fairscale.telemetry.progress`). Tango's bar passes ``disable`` itself (off on
+    workers other than the first), so neither tqdm's ``TQDM_DISABLE`` nor Tango's
+    ``FILE_FRIENDLY_LOGGING`` (a cleaned bar every 2 s, and again in the log every 10 s) can do it.
+    """
+    from tango.common.tqdm import Tqdm
+
+    _require_attributes(Tqdm, ("tqdm",), "T9")
+    original = Tqdm.__dict__["tqdm"]
+    function = getattr(original, "__func__", original)
+    if getattr(function, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(function)
+    def tqdm(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **{**kwargs, "disable": True})
+
+    tqdm._tango_fairscale = True  # type: ignore[attr-defined]
+    Tqdm.tqdm = staticmethod(tqdm)  # type: ignore[method-assign,assignment]
+
+
+#: T8's logic: the one-line error (or None) for a step's construction error; :func:`install` sets it.
+_config_error_logic: Optional[StepLogic] = None
+
+
+def _step_type_and_keys(params: Any) -> Tuple[Any, List[str]]:
+    if isinstance(params, str):
+        return params, []
+    if hasattr(params, "get") and hasattr(params, "keys"):  # a dict or Tango's Params
+        return params.get("type"), [str(key) for key in params.keys()]
+    return None, []
+
+
+def _one_line_step_config_errors() -> None:
+    """
+    T8: an option that is not one, or a value of the wrong type, in the config of one of the
+    package's steps (``fairscale::tokenize_text``, ``fairscale::evaluate``): Tango's
+    ``Step.from_params`` raised it inside a 38-42-line traceback ("Extra parameters passed to
+    TokenizeText", "Expected block_size to be int"); the wrapper raises the one line the logic
+    gives (with the nearest option), a ``CliRunError`` that Tango prints alone. Other steps'
+    errors, and anything the logic does not recognise, pass unchanged.
+    """
+    from tango.common.exceptions import ConfigurationError
+    from tango.step import Step
+
+    _require_attributes(Step, ("from_params",), "T8")
+    original = inspect.getattr_static(Step, "from_params")
+    if not isinstance(original, classmethod):
+        raise IncompatibleVersionError("T8: tango.step.Step.from_params is no longer a classmethod.")
+    function = original.__func__
+    if getattr(function, "_tango_fairscale", False):
+        return
+
+    @functools.wraps(function)
+    def from_params(cls: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        type_name, keys = _step_type_and_keys(params)
+        try:
+            return function(cls, params, *args, **kwargs)
+        except (TypeError, ConfigurationError) as error:
+            one_line = None if _config_error_logic is None else _config_error_logic(type_name, keys, error)
+            if one_line is None:
+                raise
+            raise one_line from error
+
+    from_params._tango_fairscale = True  # type: ignore[attr-defined]
+    Step.from_params = classmethod(from_params)  # type: ignore[method-assign,assignment]
+
+
+def undo_step_config_errors() -> None:
+    """Undo T8 (for the canary test)."""
+    from tango.step import Step
+
+    current = inspect.getattr_static(Step, "from_params")
+    wrapped = getattr(current.__func__, "__wrapped__", None)
+    if getattr(current.__func__, "_tango_fairscale", False) and wrapped is not None:
+        Step.from_params = classmethod(wrapped)  # type: ignore[method-assign,assignment]
 
 
 # --- D1: DCP's save planner, overridden by the torch backend -----------------------------------------

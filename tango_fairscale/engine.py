@@ -13,7 +13,7 @@ import weakref
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -235,6 +235,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         self.verify_checkpoints = verify_checkpoints
         #: Generator states of the checkpoint resumed from, for RestoreRandomState.
         self.loaded_random_state: Optional[Dict[str, Any]] = None
+        #: Called with Tango's trainer state before each checkpoint is saved: the step telemetry
+        #: writes a validated step's line then, which Tango would have it write only after the save.
+        self.before_checkpoint: List[Callable[[Dict[str, Any]], None]] = []
         self.hybrid_sharding = hybrid_sharding
         if on_cpu and train_config.is_distributed:
             # Before the model is built: torch's default of every core in every worker makes the
@@ -342,6 +345,8 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         return states
 
     def save_checkpoint(self, checkpoint_dir: Path, client_state: Dict[str, Any]) -> None:
+        for listener in self.before_checkpoint:
+            listener(client_state)
         states = {
             "trainer": client_state,
             **self._replicated_states(),

@@ -10,6 +10,7 @@ tokens, and builds the model sharded across workers with the engine's FSDP when 
 (``device_count`` 2 or more, or a ``training_engine``), as ``torch::train`` does on the engine.
 """
 
+import inspect
 import json
 import logging
 import math
@@ -32,7 +33,9 @@ from tango.integrations.torch.util import move_to_device, resolve_device, set_se
 from tango.step import StepResources
 from torch import nn
 
-from .materialize import has_meta_parameters, mark_pretrained
+from .errors import CheckpointError
+from .materialize import has_meta_parameters, mark_pretrained, parameters_on_meta
+from .preflight import PreflightError
 from .text_data import IGNORE_INDEX
 
 __all__ = [
@@ -59,6 +62,11 @@ DEFAULT_ENGINE: Dict[str, Any] = {
     "init_on_meta": True,
     "optimizer": {"type": "torch::SGD", "lr": 0.0},
 }
+
+#: CPU worker processes per core a sharded evaluation may start. Each holds an interpreter, torch
+#: and its share of the model, and past a few per core they only take turns on the cores; without a
+#: bound, device_count 1000 forked a thousand processes.
+MAX_CPU_WORKERS_PER_CORE = 4
 
 _collate = ConcatTensorDictsCollator()
 
@@ -236,23 +244,8 @@ def load_weights(model: nn.Module, path: Union[str, Path]) -> nn.Module:
     FSDP unit is materialised: no worker reads the whole file into its own memory.
     """
     path = Path(path)
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unreadable file is the same mistake
-        raise ConfigurationError(
-            f"weights: {path} is not a state dict torch.load reads ({type(error).__name__}); give "
-            "a training step's weights.pt or the output of python -m tango_fairscale consolidate."
-        ) from error
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        shown = ", ".join(
-            [*(f"missing {k}" for k in missing[:3]), *(f"unexpected {k}" for k in unexpected[:3])]
-        )
-        raise ConfigurationError(
-            f"weights: {path} does not fit the model ({shown}; {len(missing)} missing, {len(unexpected)} "
-            "unexpected in all): give the weights of a model built from this config."
-        )
+    state = read_weights(path)
+    check_weights_fit(model, state, path)
     if not has_meta_parameters(model):
         model.load_state_dict(state)
         return model
@@ -263,6 +256,37 @@ def load_weights(model: nn.Module, path: Union[str, Path]) -> nn.Module:
             if name in state and not buffer.is_meta:
                 buffer.copy_(state[name])
     return model
+
+
+def read_weights(path: Union[str, Path]) -> Mapping[str, torch.Tensor]:
+    """The state dict in the file ``path``, memory-mapped (its tensors are read when used)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is the same mistake
+        raise ConfigurationError(
+            f"weights: {path} is not a state dict torch.load reads ({type(error).__name__}); give "
+            "a training step's weights.pt or the output of python -m tango_fairscale consolidate."
+        ) from error
+    if not isinstance(state, Mapping):
+        raise ConfigurationError(
+            f"weights: {path} holds a {type(state).__name__}, not a state dict; give a training "
+            "step's weights.pt or the output of python -m tango_fairscale consolidate."
+        )
+    return state
+
+
+def check_weights_fit(model: nn.Module, state: Mapping[str, Any], path: Union[str, Path]) -> None:
+    """``state`` has exactly ``model``'s parameters and persistent buffers (on ``meta`` too)."""
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        shown = ", ".join(
+            [*(f"missing {k}" for k in missing[:3]), *(f"unexpected {k}" for k in unexpected[:3])]
+        )
+        raise ConfigurationError(
+            f"weights: {path} does not fit the model ({shown}; {len(missing)} missing, {len(unexpected)} "
+            "unexpected in all): give the weights of a model built from this config."
+        )
 
 
 def with_weights(model: Lazy[Model], weights: str) -> Model:
@@ -327,6 +351,116 @@ def _worker(
     end_finished_worker()
 
 
+def _check_engine(engine: Lazy[TrainingEngine], device_count: int) -> None:
+    """
+    A sharded evaluation's workers and engine, as pre-flight checks the training step's: each
+    mistake failed in every worker before (a traceback per worker), and ``device_count`` had no
+    bound (1000 forked a thousand CPU processes).
+    """
+    from .cpu.threads import available_cores
+    from .devices import devices_are_cpu
+    from .options import EngineOptions
+    from .preflight import check_engine_keys, params_of, uses_fairscale_engine
+
+    on_cpu = devices_are_cpu(_devices(device_count))
+    limit = MAX_CPU_WORKERS_PER_CORE * available_cores()
+    if on_cpu and device_count > limit:
+        raise ConfigurationError(
+            f"{STEP_NAME}: device_count {device_count} would start {device_count} CPU worker processes "
+            f"({torch.cuda.device_count()} GPUs here) on the {available_cores()} cores this process may "
+            f"run on: give at most {limit} ({MAX_CPU_WORKERS_PER_CORE} per core)."
+        )
+    params = params_of(engine)
+    if not params:
+        return  # an engine built in Python, not from a config: it checks its options in each worker
+    if not uses_fairscale_engine(engine):
+        raise ConfigurationError(
+            f'{STEP_NAME}: training_engine: a sharded evaluation builds the model with the "fairscale" '
+            f'engine, not {params.get("type")!r}: give the training step\'s "fairscale" engine block, '
+            "or remove training_engine (and use device_count 1 for one process)."
+        )
+    check_engine_keys(engine)
+    EngineOptions.from_config(params).check(
+        distributed=True, device_count=device_count, on_cpu=on_cpu, warn=False
+    )
+
+
+def _check_examples(split: str, data: Sequence[Any], label_shift: int) -> None:
+    """The split's first example: a language model's (a ``labels`` tensor), with a token to predict."""
+    example = data[0]
+    labels = example.get("labels") if isinstance(example, Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        has = (
+            f"keys {', '.join(map(str, example))}" if isinstance(example, Mapping) else type(example).__name__
+        )
+        raise ConfigurationError(
+            f"{STEP_NAME}: dataset_dict: the examples of split {split!r} have no 'labels' tensor (they "
+            f"have {has}); the step evaluates a language model on examples of input_ids and labels, "
+            "as fairscale::tokenize_text makes them."
+        )
+    length = labels.shape[-1] if labels.dim() else 1
+    if label_shift >= length:
+        # Every label would be skipped: a loss of no token (NaN), which Tango cached as the result.
+        raise ConfigurationError(
+            f"{STEP_NAME}: label_shift {label_shift} leaves no token to predict in the examples of "
+            f"split {split!r}, of {length} tokens: give 1 for a causal LM (transformers shifts the "
+            "labels itself), 0 for a model whose loss compares each position with its own label."
+        )
+
+
+def _check_forward(built: Any, split: str, example: Mapping[str, Any]) -> None:
+    """``forward()`` takes every key of the split's batches: the model is called as ``model(**batch)``."""
+    try:
+        parameters = inspect.signature(built.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return
+    extra = [str(key) for key in example if key not in parameters]
+    if extra:
+        raise ConfigurationError(
+            f"{STEP_NAME}: model: {type(built).__name__}.forward({', '.join(parameters)}) takes no "
+            f"{extra[0]!r}, a key of the batches of dataset_dict split {split!r} "
+            f"({', '.join(map(str, example))}): the step calls model(**batch) and needs the batch's "
+            "mean token loss under 'loss', as a transformers causal LM returns it given labels."
+        )
+
+
+def _check_model_and_data(model: Any, split: str, data: Any, weights: Optional[str] = None) -> None:
+    """
+    The model's inputs (a pretrained directory that is there, ``weights`` that fit it), a
+    ``forward()`` that takes the batches, and data that fits the model.
+    """
+    from .data_fit import check_data_fits_model
+    from .hf_export import hf_model_in
+    from .preflight import check_pretrained_models
+
+    state = None
+    if weights is not None:
+        try:
+            state = read_weights(weights)
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{STEP_NAME}: {error}") from None
+    if isinstance(model, Lazy):
+        check_pretrained_models(model, init_on_meta=False)
+        try:
+            # As the workers build it under init_on_meta: transformers' from_pretrained refuses meta.
+            with torch.device("meta"), parameters_on_meta():
+                built = model.construct()
+        except Exception as error:  # noqa: BLE001 - one that does not build on meta is built for real later
+            logger.debug("Not checking the data against the model: it does not build on meta (%s)", error)
+            return
+    else:
+        built = model
+    if state is not None:
+        try:
+            check_weights_fit(built, state, str(weights))
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{STEP_NAME}: {error}") from None
+    _check_forward(built, split, data[0])
+    check_data_fits_model(hf_model_in(built), [(split, data)], f"{STEP_NAME}: dataset_dict")
+
+
 @Step.register(STEP_NAME)
 class Evaluate(Step):
     """
@@ -371,7 +505,8 @@ class Evaluate(Step):
         loaded into the model built from ``model``'s config, memory-mapped (on ``meta`` under
         ``init_on_meta``: each unit reads its own tensors). Its size and modification time are
         part of the step's id, so new weights at the same path are evaluated again.
-    :param device_count: Workers (see above).
+    :param device_count: Workers (see above); CPU workers at most :data:`MAX_CPU_WORKERS_PER_CORE`
+        per core.
     :param training_engine: The engine of a sharded evaluation (any ``device_count``), e.g.
         the training step's (its optimizer is built and never stepped; without one, the default's).
         Default: ``{type: "fairscale", init_on_meta: true, optimizer: {type: "torch::SGD", lr: 0}}``.
@@ -416,19 +551,35 @@ class Evaluate(Step):
         label_shift: int = 1,
         seed: int = 42,
     ) -> Dict[str, Any]:
-        data = self._checked(model, dataset_dict, split, batch_size, weights, device_count, training_engine)
-        if label_shift < 0 or isinstance(label_shift, bool):
-            raise ConfigurationError(f"{STEP_NAME}: label_shift must be 0 or more, got {label_shift!r}.")
-        if device_count == 1 and training_engine is None:
-            set_seed_all(seed)
-            built = model.construct() if isinstance(model, Lazy) else model
-            if weights is not None:
-                load_weights(built, weights)
-            totals = evaluate_model(built, data, batch_size, label_shift)
-        else:
+        in_process = device_count == 1 and training_engine is None
+        try:
+            data = self._checked(
+                model, dataset_dict, split, batch_size, weights, device_count, training_engine, label_shift
+            )
+            if in_process:
+                # In the wrapper too: the model's build, weights that do not load, a forward()
+                # without a loss are the config's mistakes, told in one line.
+                set_seed_all(seed)
+                built = model.construct() if isinstance(model, Lazy) else model
+                if weights is not None:
+                    load_weights(built, weights)
+                totals = evaluate_model(built, data, batch_size, label_shift)
+        except PreflightError:
+            raise
+        except (ConfigurationError, CheckpointError) as error:
+            # Without Tango's traceback: the one line (sharded, before any worker is spawned).
+            raise PreflightError(f"{type(error).__name__}: {error}") from None
+        if not in_process:
             assert isinstance(model, Lazy)
             engine = _engine_for_evaluation(training_engine)
             totals = self._sharded(model, engine, data, batch_size, label_shift, weights, device_count, seed)
+        if totals.tokens == 0:
+            # A loss of no token is NaN: raised, so that Tango does not cache it as the result.
+            raise PreflightError(
+                f"ConfigurationError: {STEP_NAME}: split {split!r} has no token to predict (every label "
+                f"is -100, or among the first label_shift {label_shift} of its example): check the data "
+                "and label_shift."
+            )
         result = totals.result(split, device_count)
         line = (
             f"{STEP_NAME}: split {split!r}, {totals.tokens:,} tokens in {totals.examples:,} examples: "
@@ -449,6 +600,7 @@ class Evaluate(Step):
         weights: Optional[str],
         device_count: int,
         training_engine: Any,
+        label_shift: int,
     ) -> Sequence[Any]:
         """The split, after every option is checked (one line each, naming the option)."""
         for name, value in (("batch_size", batch_size), ("device_count", device_count)):
@@ -456,6 +608,8 @@ class Evaluate(Step):
                 raise ConfigurationError(
                     f"{STEP_NAME}: {name} must be a whole number, 1 or more, got {value!r}."
                 )
+        if isinstance(label_shift, bool) or not isinstance(label_shift, int) or label_shift < 0:
+            raise ConfigurationError(f"{STEP_NAME}: label_shift must be 0 or more, got {label_shift!r}.")
         if split not in dataset_dict.splits:
             raise ConfigurationError(
                 f"{STEP_NAME}: split {split!r} is not in the dataset (its splits: "
@@ -481,6 +635,10 @@ class Evaluate(Step):
                 "its config, but model is a model built already (a step's result); give the training "
                 "step's model config with weights (its weights.pt), or use device_count 1."
             )
+        if device_count > 1 or training_engine is not None:
+            _check_engine(_engine_for_evaluation(training_engine), device_count)
+        _check_examples(split, data, label_shift)
+        _check_model_and_data(model, split, data, weights)
         return data  # type: ignore[no-any-return]
 
     def _sharded(

@@ -230,17 +230,22 @@ def export_peft_adapter(
     directory = Path(directory)
     check_output(directory, HF_EXPORT, work_dir=work_dir, sources=sources, label=label)
     available, read = source
-    names = [name for name in available if _ADAPTER_PART in name or "modules_to_save" in name]
-    prefix = _peft_prefix(list(available))
-    # peft picks the adapter's tensors and names them (the adapter name dropped); only the
-    # adapter's tensors are read, one at a time: they are a small part of the model.
-    state = {name[len(prefix) :]: read(name).clone() for name in names}
     config = copy.deepcopy(peft_model.peft_config["default"])
     # peft finds the adapter's tensors by the names of the model's LoRA layers, which FSDP's
     # wrappers change: it is asked with the plain model's skeleton, built on meta (no memory).
     base = peft_model.get_base_model()
     with torch.device("meta"):
         skeleton = get_peft_model(type(base)(base.config), copy.deepcopy(config))
+    prefix = _peft_prefix(list(available))
+    # Every tensor that trained (the adapters, modules_to_save's copies, and the base's biases
+    # under bias "all" or "lora_only"), and what peft's names say is the adapter's: peft picks
+    # what it saves among them and names it (the adapter name dropped). Only those are read, one
+    # at a time: they are a small part of the model.
+    trained = {prefix + name for name, param in skeleton.named_parameters() if param.requires_grad}
+    names = [
+        name for name in available if name in trained or _ADAPTER_PART in name or "modules_to_save" in name
+    ]
+    state = {name[len(prefix) :]: read(name).clone() for name in names}
     adapter = get_peft_model_state_dict(skeleton, state_dict=state)
     if not adapter:
         raise CheckpointError("The trained weights hold none of the peft model's adapter tensors.")
@@ -280,13 +285,38 @@ def export_merged_adapter(
     check_output(directory, HF_EXPORT, work_dir=work_dir, sources=sources, label=label)
     base_path = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
     base = AutoModelForCausalLM.from_pretrained(base_path)
+    # A head tied to the embedding is one tensor: merging an adapter of the head into it (LoRA on
+    # lm_head) changed the embedding too, and a trained modules_to_save copy of the head was
+    # saved under a config that ties it back to the embedding. Untied for the merge, tied again
+    # where the two are still equal.
+    tied = _untie_output_embeddings(base)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    if tied:
+        _tie_if_equal(merged)
 
     def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp))
         _copy_tokenizer(Path(adapter), tmp)
 
     return _write_directory(directory, fill)
+
+
+def _untie_output_embeddings(model: Any) -> bool:
+    """Give ``model``'s head its own copy of the embedding it is tied to; whether it was tied."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings is None or head is None or head.weight is not embeddings.weight:
+        return False
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+def _tie_if_equal(model: Any) -> None:
+    """Tie ``model``'s head to its embedding again where their values are equal (as saved: once)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if torch.equal(head.weight, embeddings.weight):
+        model.config.tie_word_embeddings = True
+        head.weight = embeddings.weight
 
 
 #: What every LoRA adapter tensor's name holds.

@@ -159,6 +159,13 @@ def with_lora(
 
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"{LORA_TYPE}.model: expected a torch module, got {type(model).__name__}.")
+    if hasattr(model, "peft_config"):
+        # peft only warns ("Already found a peft_config attribute"); the run trained and its export
+        # failed in a 111-line traceback.
+        raise ConfigurationError(
+            f"{LORA_TYPE}.model: it has adapters already ({type(model).__name__} with a peft_config): give "
+            "the model under them, with every target module in one fairscale::with_lora."
+        )
     _check_modules_to_save(model, options.modules_to_save)
     try:
         with warnings.catch_warnings():
@@ -238,11 +245,44 @@ def peft_model_in(model: nn.Module) -> Optional[Any]:
     return None
 
 
+#: The peft methods (``peft_type``) trained, checkpointed, exported and loaded back end to end.
+SUPPORTED_PEFT_TYPES = ("LORA",)
+
+
+def check_peft_method(model: nn.Module) -> None:
+    """
+    Refuse a peft model of another method than LoRA, naming it: the checkpoints, the adapter
+    export and its merge know LoRA's tensors only (IA3's or LoHa's trained, then their export
+    found no adapter; prefix and prompt tuning failed in the export, VeRA under ``init_on_meta``
+    in the first forward).
+    """
+    peft_model = peft_model_in(model)
+    if peft_model is None:
+        return
+    for name, config in peft_model.peft_config.items():
+        kind = str(getattr(config.peft_type, "value", config.peft_type))
+        if kind not in SUPPORTED_PEFT_TYPES:
+            raise ConfigurationError(
+                f"model: its peft adapter {name!r} is peft's {kind} ({type(config).__name__}), which "
+                f"tango-fairscale does not train: it supports peft's LoRA only (LoraConfig, or "
+                f"{LORA_TYPE}). Use LoRA adapters, or train the model without this training engine."
+            )
+    if list(peft_model.peft_config) != ["default"]:
+        raise ConfigurationError(
+            f"model: its peft model has the adapters {sorted(peft_model.peft_config)}; tango-fairscale "
+            "trains one, named 'default' (as get_peft_model names it)."
+        )
+
+
 def adapter_config_of(model: nn.Module) -> Optional[Dict[str, Any]]:
-    """The fields of the ``adapter_config.json`` of the peft model inside ``model``, if it holds one."""
+    """
+    The fields of the ``adapter_config.json`` of the peft model inside ``model``, if it holds one
+    (of a method :func:`check_peft_method` accepts, else its error).
+    """
     peft_model = peft_model_in(model)
     if peft_model is None:
         return None
+    check_peft_method(model)
     fields = peft_model.peft_config["default"].to_dict()
     # As peft writes it: sets (target_modules) as lists, enums by value.
     return json.loads(

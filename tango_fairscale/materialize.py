@@ -665,7 +665,24 @@ class _Recorder(TorchDispatchMode):
         copy.parent = (track, len(track.log))
         track.referenced = True
         self.mark(out, "track", copy)
+        _remember_copy(out, copy)
         return out
+
+
+def _remember_copy(tensor: torch.Tensor, track: _Track) -> None:
+    """
+    Keep a copy's track on its storage (whose Python object lives as long as it does): a parameter
+    made over the copy without being registered (``copy.deepcopy`` of a module: peft's
+    ``modules_to_save`` makes its trainable copy so) finds it there after the build, instead of
+    being left to initialisers (a fresh random value where the eager build has the copied one).
+    """
+    setattr(tensor.untyped_storage(), _TRACK, track)
+
+
+def _copied_track(param: nn.Parameter) -> Optional[_Track]:
+    """The track of a copy made during a build whose storage ``param`` holds, if it is one."""
+    track: Optional[_Track] = getattr(param.untyped_storage(), _TRACK, None)
+    return track if track is not None and track.holds(param) else None
 
 
 def _op_name(func: Any) -> str:
@@ -867,7 +884,10 @@ def _track_of(param: nn.Parameter) -> Optional[_Track]:
         return track
     if track is not None:
         return _Track.refused(param, "its data was replaced on meta after the model was built")
-    return None
+    track = _copied_track(param)
+    if track is not None:
+        setattr(param, _TRACK, track)
+    return track
 
 
 def _kind(track: Optional[_Track]) -> str:

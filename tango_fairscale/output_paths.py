@@ -19,6 +19,7 @@ The writers' temporaries are also named here, and a rerun removes those an inter
 whose writing process is gone, never anything else.
 """
 
+import errno
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import re
 import shutil
 import socket
 import stat
+import tempfile
 import uuid
 import zipfile
 from pathlib import Path
@@ -78,6 +80,9 @@ _EXPORT_FILE = re.compile(
             r"model\.safetensors",
             r"model-\d{5}-of-\d{5}\.safetensors",
             r"model\.safetensors\.index\.json",
+            # A peft adapter's (hf_export.export_peft_adapter).
+            r"adapter_config\.json",
+            r"adapter_model\.safetensors",
             *(re.escape(name) for name in (*TOKENIZER_FILES, EXPORT_MARKER)),
         ]
     )
@@ -94,6 +99,44 @@ _CHILDREN_LOOKED_AT = 1000
 def export_hf_path(export_hf: str, work_dir: Path) -> Path:
     """Where the engine's ``export_hf`` writes: a relative path is relative to the step's work directory."""
     return Path(work_dir) / export_hf
+
+
+def check_writable(path: Path, needed_bytes: int = 0) -> None:
+    """
+    ``path`` can be written, checked before any work: its nearest existing directory takes a new
+    file (a read-only filesystem, missing permissions) and has ``needed_bytes`` free. Otherwise
+    an export found it after training, in a 90-line traceback.
+    """
+    ancestor = Path(os.path.abspath(path))
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return  # a file where a directory should be: check_output names it
+    try:
+        # Unnamed where the filesystem allows (O_TMPFILE), and gone when closed.
+        with tempfile.TemporaryFile(dir=ancestor, prefix=".tango-fairscale-probe-"):
+            pass
+    except OSError as error:
+        code = errno.errorcode.get(error.errno or 0, "")
+        raise CheckpointError(
+            f"Cannot write {path}: {ancestor} does not take new files ({error.strerror or error}"
+            f"{', ' + code if code else ''}): give a writable directory, or make it writable"
+        ) from None
+    free = shutil.disk_usage(ancestor).free
+    if needed_bytes > free:
+        raise CheckpointError(
+            f"Cannot write {path}: its filesystem has {_size(free)} free, and the export needs about "
+            f"{_size(needed_bytes)}: free space there, or give a directory on another filesystem"
+        )
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{count} B"
+        value /= 1024
+    return f"{count} B"
 
 
 def marker(kind: str, files: Sequence[str] = ()) -> bytes:

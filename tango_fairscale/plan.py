@@ -41,6 +41,7 @@ from .backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine, name_causal_lm_loss
 from .materialize import check_initialisable, parameters_on_meta
+from .pretrained import shapes_only
 from .wrapping import WRAPPER_TYPE, WrapPlan, disable_hf_kv_cache
 
 #: The data step whose ``block_size`` is the sequence length of every training example.
@@ -250,6 +251,8 @@ class Plan:
     activations: Optional[Activations] = None
     device_memory: Optional[int] = None
     """The memory of one device (or, on CPU workers, one worker's share of the host) to judge against."""
+    from_config_only: List[str] = field(default_factory=list)
+    """Pretrained directories without weight files, planned from their ``config.json`` alone."""
 
     @property
     def units(self) -> List[Unit]:
@@ -477,6 +480,7 @@ class Plan:
             "model": self.model_class,
             "world_size": self.world_size,
             "optimizer": self.optimizer,
+            "from_config_only": list(self.from_config_only),
             "optimizer_state_bytes_per_parameter": self.optimizer_state_bytes,
             "optimizer_note": self.optimizer_note or None,
             "parameters": self.total_numel,
@@ -577,6 +581,12 @@ def render(plan: Plan) -> str:
         f"Built on {where}: {meaning}. The workers build it {workers} (init_on_meta: "
         f"{'true' if plan.init_on_meta else 'false'}).",
     ]
+    for directory in plan.from_config_only:
+        lines.append(
+            f"Planned from {directory}/config.json alone (it holds no model.safetensors): the shapes are "
+            "the model's, no weight was read. Training reads the weights from there: put the model's "
+            "save_pretrained files beside its config.json before `tango run`."
+        )
     if plan.trainable_numel != plan.total_numel:
         lines.append(
             f"{plan.trainable_numel:,} of the parameters train; the frozen ones get no gradient "
@@ -767,8 +777,39 @@ def make_plan(
     ``device_memory`` is judged against; ``optimizer_states`` (state tensors per parameter, in the
     parameters' dtype) stands in for an optimizer whose state cannot be measured; ``device``
     (``"cpu"`` or ``"cuda"``, default: ``"cuda"`` where this process sees a GPU) is the workers';
-    without ``measure`` the step's peak is not measured.
+    without ``measure`` the step's peak is not measured. A pretrained directory of a ``config.json``
+    alone is planned as one with its weights (:func:`~tango_fairscale.pretrained.shapes_only`).
     """
+    with shapes_only() as from_config_only:
+        plan = _make_plan(
+            step_name,
+            step,
+            world_size,
+            steps=steps,
+            sequence_length=sequence_length,
+            sample_data=sample_data,
+            device_memory=device_memory,
+            optimizer_states=optimizer_states,
+            device=device,
+            measure=measure,
+        )
+    plan.from_config_only = [str(directory) for directory in from_config_only]
+    return plan
+
+
+def _make_plan(
+    step_name: str,
+    step: Dict[str, Any],
+    world_size: Optional[int],
+    *,
+    steps: Optional[Mapping[str, Any]],
+    sequence_length: Optional[int],
+    sample_data: bool,
+    device_memory: Optional[int],
+    optimizer_states: Optional[float],
+    device: Optional[str],
+    measure: bool,
+) -> Plan:
     model_config, wrapper = _inner_model_config(step)
     engine = dict(step.get("training_engine", {}))
     init_on_meta = bool(engine.get("init_on_meta"))

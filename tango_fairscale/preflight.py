@@ -24,7 +24,7 @@ import typing
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tango.common import Lazy, Params
@@ -36,14 +36,17 @@ from . import checkpointing
 from .backends.lookup import DEFAULT_BACKEND, backend_class, check_written_by
 from .config import FSDPConfig
 from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
+from .data_fit import check_data_fits_model
 from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine, _no_hf_model_error
 from .hf_export import hf_model_in
+from .lora import check_peft_method
 from .materialize import check_initialisable, parameters_on_meta
 from .options import EngineOptions, check_backend
-from .output_paths import HF_EXPORT, check_output, export_hf_path
+from .output_paths import HF_EXPORT, check_output, check_writable, export_hf_path
 from .pretrained import PRETRAINED_TYPE, check_pretrained
 from .resume import check_within_run
+from .step_config import wrong_type
 from .wrapping import WRAPPER_TYPE, check_list_option, require_parameters
 
 logger = logging.getLogger(__name__)
@@ -107,11 +110,14 @@ def check_engine(
     return options
 
 
-def check_export_hf(export_hf: Any, work_dir: Optional[Path], field: str = "export_hf") -> None:
+def check_export_hf(
+    export_hf: Any, work_dir: Optional[Path], field: str = "export_hf", needed_bytes: int = 0
+) -> None:
     """
     ``export_hf`` where the engine will write it (a relative path against the step's work
     directory, :func:`~tango_fairscale.output_paths.export_hf_path`), refused before anything
-    trains when the export may not replace what is there (:mod:`tango_fairscale.output_paths`).
+    trains when the export may not replace what is there (:mod:`tango_fairscale.output_paths`),
+    or cannot be written there (read-only, or less than ``needed_bytes`` free).
     """
     if export_hf is None:
         return
@@ -120,7 +126,9 @@ def check_export_hf(export_hf: Any, work_dir: Optional[Path], field: str = "expo
     if work_dir is None and not Path(export_hf).is_absolute():
         return  # relative to a work directory not known here; the engine checks it before writing
     try:
-        check_output(export_hf_path(export_hf, work_dir or Path()), HF_EXPORT, work_dir=work_dir)
+        path = export_hf_path(export_hf, work_dir or Path())
+        check_output(path, HF_EXPORT, work_dir=work_dir)
+        check_writable(path, needed_bytes)
     except checkpointing.CheckpointError as error:
         raise ConfigurationError(f"training_engine.{field}: {error}") from None
 
@@ -224,8 +232,12 @@ def check_model(
     init_on_meta: bool = False,
     backend: str = DEFAULT_BACKEND,
     export_hf: Optional[str] = None,
-) -> None:
-    """Build the model on the meta device (no memory) to check its wrapping and parameters."""
+    data: Sequence[Tuple[str, Any]] = (),
+) -> Optional[Any]:
+    """
+    Build the model on the meta device (no memory) to check its wrapping and parameters, and
+    that ``data`` (the splits it trains and validates on, by name) fits it.
+    """
     config = params_of(model) if isinstance(model, Lazy) else {}
     if config.get("type") == WRAPPER_TYPE:
         check_list_option("modules_to_wrap", config.get("modules_to_wrap"), "regex strings")
@@ -274,10 +286,23 @@ def check_model(
             built = model.construct() if isinstance(model, Lazy) else model
     except ConfigurationError:
         raise
-    except Exception as error:  # noqa: BLE001 - a model that cannot be built on meta is checked in the workers
+    except Exception as error:  # noqa: BLE001 - sorted below: a config's mistake, or a model meta cannot build
+        typed = wrong_type(error)
+        if typed is not None:
+            # Tango's FromParams found an option of the wrong type (with_lora's r: 2.5): every
+            # worker would fail the same way, in a 134-line traceback.
+            raise ConfigurationError(f"model: {typed}") from None
+        if init_on_meta:
+            # The workers build it this way too: each would fail the same way.
+            raise ConfigurationError(
+                "training_engine.init_on_meta: the model cannot be built with its parameters on the "
+                f"meta device: {_constructor_line(error)}{_first_line(error)}. Compute such values in "
+                "forward, or set training_engine.init_on_meta: false."
+            ) from None
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
-        return
+        return None
     require_parameters(built)
+    check_peft_method(built)
     if not any(param.requires_grad for param in built.parameters()):
         # Tango's first backward would fail in every worker ("element 0 of tensors does not
         # require grad"), after the baseline validation.
@@ -289,17 +314,90 @@ def check_model(
         )
     if export_hf is not None:
         check_export_hf_model(built)
+    check_data_fits_model(hf_model_in(built), data, "dataset_dict")
     if init_on_meta and isinstance(model, Lazy):
         check_init_on_meta(model)
+    return built
 
 
 def check_init_on_meta(model: Any) -> None:
     """Every parameter an ``init_on_meta`` build leaves unset, listed at once, before any worker starts."""
     # Its parameters are allocated on the CPU and moved to meta, the initialisers run on scratch
     # tensors: none of it may stay in the main process's heap (META_BUILD_MMAP_THRESHOLD_BYTES).
-    with limit_cpu_heap_growth(META_BUILD_MMAP_THRESHOLD_BYTES), parameters_on_meta():
-        built = model.construct()
+    try:
+        with limit_cpu_heap_growth(META_BUILD_MMAP_THRESHOLD_BYTES), parameters_on_meta():
+            built = model.construct()
+    except ConfigurationError:
+        raise
+    except Exception as error:  # noqa: BLE001 - told in one line, naming the constructor's line
+        raise ConfigurationError(
+            f"training_engine.init_on_meta: the model cannot be built with its parameters on the meta "
+            f"device: {_constructor_line(error)}{_first_line(error)}. A constructor that replaces a "
+            "parameter's tensor (weight.data = ..., weight.set_(...)) cannot: set its values in place "
+            "under torch.no_grad() (weight.copy_(...), nn.init), or set training_engine.init_on_meta: false."
+        ) from None
+    check_no_recomputed_weights(built)
+    check_no_meta_buffers(built)
     check_initialisable(built)
+
+
+def check_no_meta_buffers(model: Any) -> None:
+    """
+    Under ``init_on_meta`` a buffer the constructor computes from a parameter (``weight.norm()``)
+    is a meta tensor with no values, which materialising does not fill: every worker failed at
+    the first forward ("Cannot copy out of meta tensor"). Refused, naming the buffers.
+    """
+    names = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if names:
+        raise ConfigurationError(
+            f"training_engine.init_on_meta: the buffer(s) {', '.join(names[:4])}"
+            f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} are computed from parameters in "
+            "the constructor, which init_on_meta builds on the meta device, so they have no values: "
+            "compute them in forward (or from the pretrained files), or set "
+            "training_engine.init_on_meta: false."
+        )
+
+
+def check_no_recomputed_weights(model: Any) -> None:
+    """
+    Under ``init_on_meta``, no weight computed from others before each forward (``spectral_norm``,
+    ``torch.nn.utils.parametrize``): their power-iteration buffers and computed tensors are built
+    from meta tensors in the constructor, and every worker failed at the first forward with
+    "Cannot copy out of meta tensor".
+    """
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for name, module in model.named_modules():
+        hooked = any(isinstance(hook, SpectralNorm) for hook in module._forward_pre_hooks.values())
+        if hooked or parametrize.is_parametrized(module):
+            what = "spectral_norm" if hooked else "a parametrization (torch.nn.utils.parametrize)"
+            raise ConfigurationError(
+                f"training_engine.init_on_meta: model.{name or '(root)'} uses {what}, whose weight is "
+                "computed from other tensors before each forward, which a build on the meta device "
+                "does not make: set training_engine.init_on_meta: false for this model."
+            )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].rstrip('.') if lines else ''}"
+
+
+def _constructor_line(error: BaseException) -> str:
+    """Where the model's own code raised ``error``: its last frame outside libraries, and its line."""
+    import traceback
+
+    libraries = ("site-packages", "dist-packages", str(Path(__file__).parent), "/lib/python")
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not any(part in frame.filename for part in libraries)
+    ]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} `{(frame.line or '').strip()}` raised "
 
 
 def check_engine_keys(training_engine: Any) -> None:
@@ -613,12 +711,36 @@ def _preflight(
     check_callbacks(step_options.get("callbacks"), train_steps)
     check_model_keys(model)
     check_pretrained_models(model, options.init_on_meta)
-    check_model(
+    built = check_model(
         model,
         options.fsdp_config,
         amp=options.amp,
         init_on_meta=options.init_on_meta,
         backend=options.backend,
         export_hf=options.export_hf,
+        data=[(name, dataset_dict[name]) for name in (train_split, validation_split) if name is not None],
     )
+    if built is not None:
+        # Room for the exports, now that their size is known: before, a full disk was found after training.
+        adapter = any("lora_" in name for name, _ in built.named_parameters())
+        if options.export_hf_merged is not None and not adapter:
+            # The merge folds LoRA adapters into the base: without any, nothing was written, silently.
+            raise ConfigurationError(
+                "training_engine.export_hf_merged: the model has no LoRA adapters to merge (it is for "
+                "fairscale::with_lora models); export_hf alone writes this model whole."
+            )
+        check_export_hf(options.export_hf, work_dir, "export_hf", export_bytes(built, trained_only=adapter))
+        check_export_hf(options.export_hf_merged, work_dir, "export_hf_merged", export_bytes(built))
     return options
+
+
+def export_bytes(model: Any, trained_only: bool = False) -> int:
+    """What an export of ``model`` holds, about: its parameters (each tied one once) and buffers."""
+    seen: Dict[int, int] = {}
+    for param in model.parameters():
+        if param.requires_grad or not trained_only:
+            seen[id(param)] = param.numel() * param.element_size()
+    if not trained_only:
+        for buffer in model.buffers():
+            seen[id(buffer)] = buffer.numel() * buffer.element_size()
+    return sum(seen.values())

@@ -23,8 +23,10 @@ import copy
 import difflib
 import os
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -34,7 +36,13 @@ from .materialize import building_on_meta, mark_pretrained, not_recorded
 from .registry import register_model_constructor
 
 # read_header and SAFETENSORS_FILE are also this module's for the benchmarks' and tests' use.
-from .safetensors_files import SAFETENSORS_FILE, SAFETENSORS_INDEX, SafetensorsFiles, read_header
+from .safetensors_files import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    SafetensorsFiles,
+    has_safetensors,
+    read_header,
+)
 
 __all__ = [
     "PRETRAINED_TYPE",
@@ -43,6 +51,7 @@ __all__ = [
     "from_pretrained",
     "load_on_meta",
     "read_header",
+    "shapes_only",
 ]
 
 #: The registered name of :func:`from_pretrained`.
@@ -382,8 +391,47 @@ def _snapshot(repo_id: str, subfolder: str = "", **hub_arguments: Any) -> Path:
     return Path(root) / subfolder if subfolder else Path(root)
 
 
+#: The directories built from their ``config.json`` alone within :func:`shapes_only`; ``None`` outside it.
+_SHAPES_ONLY: ContextVar[Optional[List[Path]]] = ContextVar("tango_fairscale_shapes_only", default=None)
+
+
+@contextmanager
+def shapes_only() -> Iterator[List[Path]]:
+    """
+    For ``plan``, which needs a model's shapes, never its values: within this context a pretrained
+    directory without safetensors files (only its ``config.json``: a 7 B model planned before its
+    weights are downloaded) builds on ``meta`` as it would with them, its parameters marked as
+    read from files that a run needs there. Yields the list of such directories, filled as they
+    are built. A directory with the files is read and checked as always.
+    """
+    directories: List[Path] = []
+    token = _SHAPES_ONLY.set(directories)
+    try:
+        yield directories
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def _not_there(directory: Path, name: str) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        raise ConfigurationError(
+            f"{directory} has no weights to read {name} from (planned from config.json alone)"
+        )
+
+    return read
+
+
 def _load_files(model: nn.Module, directory: Path, source: str) -> None:
     """Mark ``model``'s ``meta`` parameters with their tensors in ``directory`` and read its buffers."""
+    planned = _SHAPES_ONLY.get()
+    if planned is not None and not has_safetensors(directory):
+        # Marked, not initialised: checking or drawing initial values of 7 B parameters is what
+        # made such a plan take minutes; buffers keep the values the constructor computed.
+        for name, param in model.named_parameters():
+            mark_pretrained(param, _not_there(directory, name))
+        if directory not in planned:
+            planned.append(directory)
+        return
     files = SafetensorsFiles(directory, source)
     mark_from_files(model, files)
     check_fits(model, files, exact=True)

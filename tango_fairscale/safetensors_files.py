@@ -45,6 +45,11 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+def has_safetensors(directory: Path) -> bool:
+    """Whether ``directory`` holds a ``save_pretrained`` model's safetensors file or index."""
+    return any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX))
+
+
 #: A safetensors header larger than this is not one (the format's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
 
@@ -135,10 +140,18 @@ class SafetensorsFiles:
             single = directory / SAFETENSORS_FILE
             self.file_of = {name: single for name in read_header(single)[1]}
         else:
+            # The way out depends on what is there: weights in PyTorch's format load without
+            # init_on_meta; without any weights nothing loads, init_on_meta or not.
+            others = sorted(path.name for path in directory.glob("pytorch_model*.bin*"))
+            fix = (
+                f"or load it without init_on_meta (transformers then reads {', '.join(others[:2])})"
+                if others
+                else "it holds no weights at all: give the directory save_pretrained wrote the model to"
+            )
             raise ConfigurationError(
                 f"{source}: {directory} has neither {SAFETENSORS_FILE} nor "
                 f"{SAFETENSORS_INDEX}. Save the model with save_pretrained(..., safe_serialization=True) "
-                "(transformers' default), or load it without init_on_meta."
+                f"(transformers' default), {fix}."
             )
         self._headers: Dict[Path, Tuple[int, Dict[str, Dict[str, Any]]]] = {}
         self._maps: Dict[Path, mmap.mmap] = {}

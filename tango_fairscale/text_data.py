@@ -23,21 +23,41 @@ import logging
 import math
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
 
 import torch
 from tango import Step
 from tango.common.dataset_dict import DatasetDict
-from tango.common.exceptions import CliRunError, ConfigurationError
+
+from .text_options import (
+    STEP_NAME,
+    TextDataError,
+    TextNotFoundError,
+    check_options,
+    check_text_options,
+    check_types,
+    glob_error,
+    input_name,
+    path_entries_error,
+)
 
 logger = logging.getLogger(__name__)
 
-#: The step's registered name.
-STEP_NAME = "fairscale::tokenize_text"
 #: What a label of a padding position is: Hugging Face's (and torch's cross entropy's) ignore index.
 IGNORE_INDEX = -100
-#: How the validation text is chosen (``split_by``).
-SPLIT_BY = ("documents", "tail")
 #: Files of a tokenizer's directory that are not hashed into the step's id: a model's weights,
 #: which the tokenizer never reads (a model directory is usually also its tokenizer's), and which
 #: would cost a read of gigabytes at every ``tango run``.
@@ -46,16 +66,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 _BATCH_DOCUMENTS = 64
 _BATCH_CHARACTERS = 1 << 20
 
-
-class TextDataError(ConfigurationError, CliRunError):
-    """
-    A mistake in the step's options or its text, told in one line that names the option and the
-    fix; ``tango run`` prints a ``CliRunError`` as its message alone, without the traceback.
-    """
-
-
-class TextNotFoundError(TextDataError, FileNotFoundError):
-    """A file or directory the step was given that is not there."""
+_T = TypeVar("_T")
+#: ``Optional[X]`` with None first, for the options whose type ``run`` checks itself: Tango's
+#: FromParams tries a Union's types in order and its ``int`` and ``bool`` convert (``true`` to 1,
+#: ``0`` to false); None first passes the config's value as written, so a boolean where a number
+#: is meant (or a number where true or false is) is refused in one line naming the option.
+_AsWritten = Union[None, _T]
 
 
 class TokenBlocks(SequenceABC):
@@ -403,9 +419,10 @@ def content_digest(kwargs: Dict[str, Any]) -> str:
     then says what.
     """
     digest = hashlib.sha256()
-    path = kwargs.get("path")
-    if path is not None:
-        for name, file in _listed_files(path, kwargs.get("glob", "*.txt")):
+    path, glob = kwargs.get("path"), kwargs.get("glob", "*.txt")
+    # A path or glob the step refuses is not listed (a glob of '' raised here, before the step said why).
+    if path is not None and path_entries_error(path) is None and glob_error(glob) is None:
+        for name, file in _listed_files(path, glob):
             if file is None:
                 digest.update(f"missing\0{name}\0".encode())
             else:
@@ -438,14 +455,17 @@ class TokenizeText(Step):
 
     :param path: A UTF-8 text file, a directory (its files matching ``glob``, in sorted order), or a
         list of either. Each file is one document. Relative to the directory ``tango run`` runs in.
-    :param glob: The files of a directory in ``path`` that are read (``"**/*.txt"``: subdirectories too).
+    :param glob: The files of a directory in ``path`` that are read (``"**/*.txt"``: subdirectories
+        too); a pattern inside it, neither absolute nor climbing out with ``..``.
     :param dataset: A directory ``datasets``' ``save_to_disk`` wrote (a ``DatasetDict`` or a
         ``Dataset``); each row's ``text_column`` is one document.
-    :param text_column: The dataset's column of text.
-    :param dataset_split: The split of a saved ``DatasetDict`` that is read.
+    :param text_column: The dataset's column of text (another one only with ``dataset``).
+    :param dataset_split: The split of a saved ``DatasetDict`` that is read (another one only with
+        ``dataset``).
     :param dataset_validation_split: A split of the saved ``DatasetDict`` to validate on, as it is
         (instead of ``validation_fraction`` or ``validation_count``).
-    :param documents: Strings, each one document: another step's result (``{"type": "ref", ...}``).
+    :param documents: Strings, each one document, or one string, one document: another step's
+        result (``{"type": "ref", ...}``).
 
     The tokens:
 
@@ -509,20 +529,39 @@ class TokenizeText(Step):
         text_column: str = "text",
         dataset_split: str = "train",
         dataset_validation_split: Optional[str] = None,
-        documents: Optional[List[str]] = None,
+        # A Union, so that Tango keeps one string as it is (a List[str] made it a list of characters).
+        documents: Optional[Union[str, List[str]]] = None,
         block_size: int = 128,
-        stride: Optional[int] = None,
-        pack: bool = True,
-        add_special_tokens: bool = True,
-        max_examples: Optional[int] = None,
+        stride: _AsWritten[int] = None,
+        pack: _AsWritten[bool] = True,
+        add_special_tokens: _AsWritten[bool] = True,
+        max_examples: _AsWritten[int] = None,
         validation_fraction: Optional[float] = None,
-        validation_count: Optional[int] = None,
+        validation_count: _AsWritten[int] = None,
         split_by: str = "documents",
         seed: int = 0,
-        hash_contents: bool = True,
+        hash_contents: _AsWritten[bool] = True,
     ) -> DatasetDict:
+        check_types(
+            block_size=block_size,
+            stride=stride,
+            max_examples=max_examples,
+            validation_count=validation_count,
+            validation_fraction=validation_fraction,
+            pack=pack,
+            add_special_tokens=add_special_tokens,
+            hash_contents=hash_contents,
+        )
+        check_text_options(
+            path=path,
+            glob=glob,
+            dataset=dataset,
+            text_column=text_column,
+            dataset_split=dataset_split,
+            documents=documents,
+        )
         stride = block_size if stride is None else stride
-        _check_options(
+        check_options(
             path=path,
             dataset=dataset,
             documents=documents,
@@ -534,6 +573,7 @@ class TokenizeText(Step):
             validation_count=validation_count,
             split_by=split_by,
         )
+        assert isinstance(pack, bool) and isinstance(add_special_tokens, bool)  # by check_types
         if not Path(tokenizer).is_dir():
             raise TextNotFoundError(
                 f"{STEP_NAME}: tokenizer {tokenizer} is not a directory ({Path(tokenizer).resolve()}): give "
@@ -565,7 +605,7 @@ class TokenizeText(Step):
             corpus = _Corpus([str(i) for i in range(len(texts))], lambda indices: (texts[i] for i in indices))
         if len(corpus) == 0:
             raise TextDataError(
-                f"{STEP_NAME}: {_input_name(path, dataset)} has no documents: no text to tokenize"
+                f"{STEP_NAME}: {input_name(path, dataset)} has no documents: no text to tokenize"
             )
 
         if validation_count is not None or (validation_fraction is not None and split_by == "documents"):
@@ -646,81 +686,6 @@ class TokenizeText(Step):
             splits=counts,
         )
         return DatasetDict(splits=result, metadata=metadata)
-
-
-def _input_name(path: Any, dataset: Optional[str]) -> str:
-    if dataset is not None:
-        return f"dataset {dataset}"
-    return f"path {path}" if path is not None else "documents"
-
-
-def _check_options(
-    *,
-    path: Any,
-    dataset: Optional[str],
-    documents: Any,
-    dataset_validation_split: Optional[str],
-    block_size: int,
-    stride: int,
-    max_examples: Optional[int],
-    validation_fraction: Optional[float],
-    validation_count: Optional[int],
-    split_by: str,
-) -> None:
-    """The options' own rules, before anything is read."""
-    given = [
-        name
-        for name, value in (("path", path), ("dataset", dataset), ("documents", documents))
-        if value is not None
-    ]
-    if len(given) != 1:
-        raise TextDataError(
-            f"{STEP_NAME}: give exactly one of path, dataset and documents (the text), not "
-            f"{' and '.join(given) if given else 'none'}"
-        )
-    if block_size < 2:
-        raise TextDataError(
-            f"{STEP_NAME}: block_size is {block_size}; it must be at least 2 (an input token and its target)"
-        )
-    if not 1 <= stride <= block_size:
-        raise TextDataError(
-            f"{STEP_NAME}: stride is {stride}; it must be between 1 and block_size ({block_size})"
-        )
-    if max_examples is not None and max_examples < 1:
-        raise TextDataError(f"{STEP_NAME}: max_examples is {max_examples}; it must be at least 1 (or null)")
-    if split_by not in SPLIT_BY:
-        raise TextDataError(f"{STEP_NAME}: split_by is {split_by!r}; it must be one of {list(SPLIT_BY)}")
-    held_out = [
-        name
-        for name, value in (
-            ("validation_fraction", validation_fraction),
-            ("validation_count", validation_count),
-            ("dataset_validation_split", dataset_validation_split),
-        )
-        if value is not None
-    ]
-    if len(held_out) > 1:
-        raise TextDataError(
-            f"{STEP_NAME}: give at most one of {' and '.join(held_out)} (the validation split)"
-        )
-    if dataset_validation_split is not None and dataset is None:
-        raise TextDataError(f"{STEP_NAME}: dataset_validation_split needs dataset (a saved DatasetDict)")
-    if validation_fraction is not None and not 0.0 < validation_fraction < 1.0:
-        raise TextDataError(
-            f"{STEP_NAME}: validation_fraction is {validation_fraction}; it must be between 0 and 1 "
-            "(exclusive), or null for no validation split"
-        )
-    if validation_count is not None:
-        if validation_count < 1:
-            raise TextDataError(
-                f"{STEP_NAME}: validation_count is {validation_count}; it must be at least 1, or null "
-                "for no validation split"
-            )
-        if split_by == "tail":
-            raise TextDataError(
-                f'{STEP_NAME}: validation_count counts documents; with split_by: "tail" give '
-                "validation_fraction (the share of each document's end)"
-            )
 
 
 def _load_tokenizer(directory: str) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from tango.common import Lazy
 from tango.common.exceptions import ConfigurationError
-from torch.multiprocessing import ProcessRaisedException
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from . import compat, teardown
 from . import launch as launching
@@ -38,6 +38,7 @@ from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
 from .devices import devices_are_cpu
 from .errors import CheckpointError, refused, worker_checkpoint_error
+from .launch.failures import worker_died
 from .launch.signals import end_quietly_on_signals
 from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
@@ -124,6 +125,35 @@ def _run_step(
             "hosts is what that engine adds. Use it, or run without the launcher (or with "
             "TANGO_FAIRSCALE_MULTIHOST=0, to train on each host separately)."
         )
+    if not distributed:
+        return _preflight_and_route(step, original, args, kwargs, on_fairscale, launch)
+    # (e) SIGINT or SIGTERM to this process, alone or with its process group, stops the step the
+    # same way from here on: pre-flight and the rendezvous included, not only while workers train
+    # (before, a signal during pre-flight ended the run with click's "Aborted!" and exit status 1).
+    hint = _resume_hint(step, across_hosts=launch is not None)
+    with launching.stop_workers_on_signals(resume_hint=hint):
+        try:
+            return _preflight_and_route(step, original, args, kwargs, on_fairscale, launch)
+        except ProcessExitedException as error:
+            # (k) A worker killed by a signal (the OOM killer's SIGKILL, a crash) is one line naming
+            # it, the signal and its likely cause, not Tango's traceback of mp.spawn's exception.
+            rank = error.error_index + (launch.node_rank * len(devices or ()) if launch is not None else 0)
+            logger.debug("The worker's death, as mp.spawn reported it: %s", error)
+            raise worker_died(error, rank, hint()) from error
+
+
+def _preflight_and_route(
+    step: Any,
+    original: Callable[..., Any],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    on_fairscale: bool,
+    launch: Any,
+) -> Any:
+    """Pre-flight, then the step on its route: in this process, or its workers spawned here."""
+    model, training_engine, dataset_dict, train_dataloader = args
+    devices = kwargs.get("devices")
+    distributed = bool(devices and (len(devices) > 1 or on_fairscale))
     options = None
     if on_fairscale:
         # (b) Across hosts, the world the data is split over is every host's workers.
@@ -177,14 +207,11 @@ def _train_distributed(
     configured = getattr(step, "_config", None) or {}
     one_worker = _SPAWN_ONE_WORKER.set(on_fairscale and len(kwargs.get("devices") or ()) == 1)
     try:
-        with (
-            launching.rendezvous_store(
-                kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
-                set_in_config="distributed_port" in configured,
-                address=kwargs.get("distributed_address", launching.LOCAL_ADDRESS),
-            ) as port,
-            launching.stop_workers_on_signals(resume_hint=_resume_hint(step)),
-        ):
+        with launching.rendezvous_store(
+            kwargs.get("distributed_port", TANGO_DEFAULT_PORT),
+            set_in_config="distributed_port" in configured,
+            address=kwargs.get("distributed_address", launching.LOCAL_ADDRESS),
+        ) as port:
             kwargs["distributed_port"] = port
             return finish_result(original(step, *args, **kwargs))
     finally:
@@ -245,10 +272,7 @@ def _train_across_hosts(
             launching.AGENT_STORE_VARIABLE: str(True),
             **interface,
         }
-        with (
-            launching.environment(updates),
-            launching.stop_workers_on_signals(resume_hint=_resume_hint(step, across_hosts=True)),
-        ):
+        with launching.environment(updates):
             try:
                 return original(step, *args, **kwargs)
             except Exception as error:

@@ -152,6 +152,19 @@ def plan_wrapping(
             if type(modules[name]).__name__ in classes:
                 selected.setdefault(name, f"class {type(modules[name]).__name__}")
 
+    for name, rule in selected.items():
+        if type(modules[name]).forward is nn.Module.forward:
+            # FSDP gathers a unit's parameters around its forward: a container (ModuleList,
+            # ModuleDict) is never called, so FairScale failed with "setStorage ... out of bounds" and
+            # FSDP2 with "containers that do not implement forward", in every worker.
+            field = "modules_to_wrap" if rule.startswith("pattern") else "wrap_module_classes"
+            items = re.escape(name) + r"\.[0-9]+"
+            raise WrapConfigurationError(
+                f"with_wrapped_modules.{field}: {rule} selects {name}, a {type(modules[name]).__name__} "
+                "with no forward of its own (the model calls its items, never the container), so it "
+                f"cannot be an FSDP unit: wrap its items instead, e.g. {items!r}."
+            )
+
     if min_num_params is not None:
         if isinstance(min_num_params, bool) or not isinstance(min_num_params, int) or min_num_params < 1:
             raise WrapConfigurationError(

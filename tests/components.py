@@ -617,3 +617,66 @@ class BatchNormRegressor(Model):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         hidden = self.inner.blocks(self.norm(self.inner.input(x)))
         return {"loss": self.inner.loss(self.inner.head(hidden).squeeze(-1), y)}
+
+
+@TrainCallback.register("test::record_buffers")
+class RecordBuffers(TrainCallback):
+    """Writes each worker's buffers (plain names) after training to ``buffers_worker{N}.pt``."""
+
+    def post_train_loop(self, step: int, epoch: int) -> None:
+        wrappers = {"_fsdp_wrapped_module", "_fpw_module", "_checkpoint_wrapped_module"}
+        buffers = {
+            ".".join(part for part in name.split(".") if part not in wrappers): b.detach().cpu().clone()
+            for name, b in self.training_engine.model.named_buffers()
+        }
+        torch.save(buffers, self.train_config.work_dir / f"buffers_worker{self.train_config.worker_id}.pt")
+
+
+@TrainCallback.register("test::kill_once_after_validation")
+class KillOnceAfterValidation(TrainCallback):
+    """
+    Kills every worker with SIGKILL in the ``post_val_loop`` of step ``step`` (0-based), once:
+    Tango calls it after that step's checkpoint is complete, and, listed before the metrics log,
+    this callback runs before the log's hook. A marker file in the work directory remembers it.
+    """
+
+    def __init__(self, *args: Any, step: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = step
+        self.marker = self.train_config.work_dir / "killed_once"
+        self.kill = not self.marker.exists()
+
+    def post_val_loop(self, step: int, epoch: int, val_metric: float, best_val_metric: float) -> None:
+        if step == self.step and self.kill:
+            if self.is_local_main_process:
+                self.marker.touch()
+            torch.distributed.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _TiedPair(torch.nn.Module):
+    """Two linear layers of one weight, tied after both are built (``b.weight = a.weight``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, width)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+@Model.register("test::tied_in_block")
+class TiedInBlock(Model):
+    """The toy regressor whose blocks each hold a weight tied inside the block (one FSDP unit each)."""
+
+    def __init__(self, in_features: int = 8, width: int = 16, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.input = torch.nn.Linear(in_features, width)
+        self.blocks = torch.nn.Sequential(*[_TiedPair(width) for _ in range(num_blocks)])
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        prediction = self.head(self.blocks(torch.relu(self.input(x)))).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(prediction, y)}

@@ -46,7 +46,7 @@ from tests.helpers import REPO, TINY_LLAMA, Command, ConcurrentProcesses, free_p
 #: (``test_canary_<ID>_...``), which test_every_patch_in_the_table_has_a_canary checks.
 PATCH_IDS = [
     "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10",
-    "T1", "T2", "T3", "T4", "W1", "W2", "W3", "W4", "W5", "T6", "T5", "T7",
+    "T1", "T2", "T3", "T4", "W1", "W2", "W3", "W4", "W5", "T6", "T5", "T7", "T8", "T9",
     "D1", "S1", "P1", "H1", "H2",
 ]  # fmt: skip
 
@@ -837,6 +837,47 @@ def test_canary_T6_tango_logs_a_stopped_step_as_an_uncaught_exception() -> None:
     uncaught = [r for r in records if "Uncaught exception" in r.getMessage() and r.exc_info]
     if not uncaught:
         _retire("T6", f"Tango's Step.log_failure no longer logs a SystemExit as uncaught ({records})")
+
+
+def test_canary_T9_tangos_bar_redraws_with_carriage_returns_where_stderr_is_a_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """T9: Tango's ``Tqdm.tqdm``, given ``disable=False`` as its training loop gives it, writes its bar
+    to a standard error that is no terminal as carriage-return redraws, whatever tqdm's
+    ``TQDM_DISABLE`` says."""
+    import io
+
+    from tango.common.tqdm import Tqdm
+
+    function = Tqdm.__dict__["tqdm"].__func__
+    function = getattr(function, "__wrapped__", function)
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    for _ in function(range(3), desc="Training", disable=False, mininterval=0):
+        pass
+    if stderr.getvalue().count("\r") < 2:
+        _retire("T9", f"Tango's progress bar no longer redraws with carriage returns: {stderr.getvalue()!r}")
+
+
+def test_canary_T8_tango_raises_a_steps_config_mistake_inside_a_traceback() -> None:
+    """T8: Tango's ``Step.from_params`` raises a misspelt option or a value of the wrong type as a
+    ``ConfigurationError`` or ``TypeError`` that is not a ``CliRunError``: ``tango run`` prints it
+    as "Uncaught exception" with a 38-42-line traceback, without the nearest option."""
+    from tango.common.exceptions import CliRunError
+    from tango.step import Step
+
+    from_params = inspect.getattr_static(Step, "from_params").__func__
+    original = getattr(from_params, "__wrapped__", from_params)
+    base = {"type": "fairscale::tokenize_text", "tokenizer": "x", "documents": ["a b"]}
+    for change in ({"block_sise": 8}, {"block_size": "8"}):
+        try:
+            original(Step, dict(base, **change))
+        except (TypeError, ConfigurationError) as error:
+            if isinstance(error, CliRunError) or "did you mean" in str(error):
+                _retire("T8", f"Tango's Step.from_params now raises {error!r} for {change}")
+        else:
+            _retire("T8", f"Tango's Step.from_params now accepts {change}")
 
 
 def test_canary_T5_tangos_engine_starts_a_second_process_group(one_worker: Any, tmp_path: Path) -> None:

@@ -224,13 +224,11 @@ def test_plan_step_and_package_errors(capsys: pytest.CaptureFixture, tmp_path: P
 
 def test_plan_option_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     config = str(write_config(tmp_path / "config.json", train_config()))
-    for value in ["0", "-3"]:
+    for value in ["0", "-3", "two"]:
         assert fails(capsys, ["plan", config, "-i", TOY, "--world-size", value]) == (
-            f"error: --world-size must be at least 1, got {value}"
+            f"error: argument --world-size: must be a whole number from 1 to 65536, got '{value}' "
+            "(see tango-fairscale plan --help)"
         )
-    assert "argument --world-size: invalid int value: 'two'" in fails(
-        capsys, ["plan", config, "--world-size", "two"]
-    )
     assert f"output {tmp_path} (--json) is a directory" in fails(
         capsys, ["plan", config, "-i", TOY, "--json", str(tmp_path)]
     )
@@ -242,6 +240,195 @@ def test_plan_option_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
     )
     assert "--ext-var takes KEY=VALUE, got 'size'" in fails(capsys, ["plan", config, "--ext-var", "size"])
     assert "the following arguments are required: config" in fails(capsys, ["plan"])
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--sequence-length", "1e9", "must be a whole number from 1 to 1048576, got '1e9'"),
+        ("--sequence-length", "1000000000", "must be a whole number from 1 to 1048576, got '1000000000'"),
+        ("--sequence-length", "-5", "must be a whole number from 1 to 1048576, got '-5'"),
+        ("--sequence-length", "2.5", "must be a whole number from 1 to 1048576, got '2.5'"),
+        ("--world-size", "100000000000", "must be a whole number from 1 to 65536, got '100000000000'"),
+        ("--optimizer-states", "nan", "must be a number from 0 to 64, got 'nan'"),
+        ("--optimizer-states", "1e400", "must be a number from 0 to 64, got '1e400'"),
+        ("--optimizer-states", "-1", "must be a number from 0 to 64, got '-1'"),
+    ],
+)
+def test_plan_numbers_out_of_range_are_one_line(
+    capsys: pytest.CaptureFixture, tmp_path: Path, flag: str, value: str, expected: str
+) -> None:
+    # Each of these drew a plan (1e9 tokens: 50 lines of overflow, exit 0) or a traceback.
+    config = str(write_config(tmp_path / "config.json", train_config()))
+    assert fails(capsys, ["plan", config, "-i", TOY, f"{flag}={value}"]) == (
+        f"error: argument {flag}: {expected} (see tango-fairscale plan --help)"
+    )
+
+
+@pytest.mark.parametrize("value", ["-1", "0GiB", "512KiB", "2PiB", "lots"])
+def test_plan_device_memory_out_of_range_is_one_line(
+    capsys: pytest.CaptureFixture, tmp_path: Path, value: str
+) -> None:
+    config = str(write_config(tmp_path / "config.json", train_config()))
+    message = fails(capsys, ["plan", config, "-i", TOY, f"--device-memory={value}"])
+    assert message.startswith("error: argument --device-memory: ") and "from 1MiB to 1PiB" in message
+    assert value in message
+
+
+# --- plan: the run's pre-flight --------------------------------------------------------------------
+
+
+def _tokenized_config(model: Dict[str, Any], **engine: Any) -> Dict[str, Any]:
+    """A fairscale step of ``model`` on fairscale::tokenize_text's data (never run by plan)."""
+    return {
+        "steps": {
+            "data": {
+                "type": "fairscale::tokenize_text",
+                "path": "corpus.txt",
+                "tokenizer": "tok",
+                "block_size": 16,
+            },
+            "train": {
+                "type": "torch::train",
+                "model": model,
+                "training_engine": {
+                    "type": "fairscale",
+                    "optimizer": {"type": "torch::AdamW", "lr": 0.001},
+                    **engine,
+                },
+                "dataset_dict": {"type": "ref", "ref": "data"},
+                "train_dataloader": {
+                    "batch_size": 2,
+                    "sampler": {"type": "torch::DistributedSampler", "shuffle": True, "drop_last": True},
+                },
+                "train_steps": 4,
+                "device_count": 2,
+            },
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama saved with save_pretrained (config.json and model.safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("llama") / "model"
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _wrapped_pretrained(directory: Path) -> Dict[str, Any]:
+    return {
+        "type": "fairscale::with_wrapped_modules",
+        "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(directory)},
+        "wrap_module_classes": ["LlamaDecoderLayer"],
+        "activation_checkpointing": True,
+        "fsdp_config": {},
+    }
+
+
+@pytest.mark.parametrize("init_on_meta", [True, False])
+def test_plan_from_config_json_alone_equals_the_plan_with_weights(
+    capsys: pytest.CaptureFixture, tmp_path: Path, small_llama: Path, init_on_meta: bool
+) -> None:
+    # A directory with only the config.json (no weights, no tokenizer): refused before ("has
+    # neither model.safetensors ..."), init_on_meta or not; planned from its shapes now.
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((small_llama / "config.json").read_text())
+    plans = {}
+    for name, directory in (("weights", small_llama), ("config", config_only)):
+        config = write_config(
+            tmp_path / name / "config.json",
+            _tokenized_config(_wrapped_pretrained(directory), init_on_meta=init_on_meta),
+        )
+        out = tmp_path / name / "plan.json"
+        argv = ["plan", str(config), "--sequence-length", "32", "--device", "cpu", "--json", str(out)]
+        assert main(argv) == 0, capsys.readouterr().err
+        plans[name] = (capsys.readouterr().out, json.loads(out.read_text()))
+    (with_weights, with_weights_json), (alone, alone_json) = plans["weights"], plans["config"]
+    assert with_weights_json.pop("from_config_only") == []
+    assert alone_json.pop("from_config_only") == [str(config_only)]
+    assert alone_json == with_weights_json  # the same numbers, every one
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(small_llama)
+    assert alone_json["parameters"] == sum(p.numel() for p in loaded.parameters())
+    peak = alone_json["peak_bytes_per_worker"]
+    assert peak["total"] > peak["activations"] > 0
+    note = f"Planned from {config_only}/config.json alone (it holds no model.safetensors)"
+    assert note in alone and "Planned from" not in with_weights
+
+
+def test_the_run_without_weights_names_a_fix_that_works(tmp_path: Path, small_llama: Path) -> None:
+    # The old hint, "or load it without init_on_meta", led to the same error: with no weights at all
+    # it is not given; with weights in PyTorch's format it is, and names them.
+    from tango.common.exceptions import ConfigurationError
+
+    from tango_fairscale.materialize import parameters_on_meta
+    from tango_fairscale.pretrained import from_pretrained
+
+    (tmp_path / "config.json").write_text((small_llama / "config.json").read_text())
+    with parameters_on_meta(), pytest.raises(ConfigurationError) as raised:
+        from_pretrained(str(tmp_path))
+    message = str(raised.value)
+    assert "it holds no weights at all" in message and "without init_on_meta" not in message
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with parameters_on_meta(), pytest.raises(ConfigurationError) as raised:
+        from_pretrained(str(tmp_path))
+    assert "or load it without init_on_meta (transformers then reads pytorch_model.bin)" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            lambda e, t: e.update(optimiser=e.pop("optimizer")),
+            "training_engine.optimiser: not an option of the 'fairscale' engine: did you mean 'optimizer'?",
+        ),
+        (
+            lambda e, t: e.update(hybrid_sharding=True),
+            'training_engine.hybrid_sharding: true needs backend: "torch" (the fairscale backend shards '
+            'across all workers only). Set backend: "torch", or remove hybrid_sharding.',
+        ),
+        (
+            lambda e, t: e.update(export_hf="."),
+            "training_engine.export_hf: refusing to write /WORKSPACE/cache/STEP/work: it is the step's work "
+            "directory /WORKSPACE/cache/STEP/work; choose a new path (or one this package wrote a "
+            "from_pretrained directory to before)",
+        ),
+        (
+            lambda e, t: t.update(validation_split="validation"),
+            "validation_split: the dataset has no split 'validation'; its splits are ['train']. Set "
+            "validation_split to one of them.",
+        ),
+        (
+            lambda e, t: t.update(train_steps=0),
+            "train_steps: must be a positive whole number, got 0.",
+        ),
+    ],
+    ids=["optimiser", "hybrid-on-fairscale", "export-hf-dot", "no-validation-split", "train-steps-0"],
+)
+def test_plan_refuses_what_the_runs_preflight_refuses(
+    capsys: pytest.CaptureFixture, tmp_path: Path, small_llama: Path, change: Any, expected: str
+) -> None:
+    # Each drew a full plan with exit status 0; tango run refuses each in pre-flight, with this line.
+    config = _tokenized_config(_wrapped_pretrained(small_llama))
+    change(config["steps"]["train"]["training_engine"], config["steps"]["train"])
+    path = write_config(tmp_path / "config.json", config)
+    line = fails(capsys, ["plan", str(path), "--sequence-length", "32"])
+    assert line == f"error: ConfigurationError: {expected}"
 
 
 # --- consolidate ---------------------------------------------------------------------------------

@@ -438,3 +438,209 @@ def test_tango_run_logs_the_baseline_and_evaluates_the_trained_model(
     assert abs(baseline["val_loss"] - tango_validation_by_hand(hf_model(pretrained), blocks)) <= TOLERANCE
     loss = token_loss_by_hand(hf_model(pretrained, work_dir / "weights.pt"), blocks)
     check_evaluations(workspace, output, {"trained": loss}, {"trained": 1})
+
+
+def _tokenizer(vocab_size: int, directory: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w0").save_pretrained(directory)
+    return directory
+
+
+def test_data_that_does_not_fit_the_model_is_one_line_before_any_worker(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """
+    Token ids past the model's vocabulary (data tokenized with a larger tokenizer) and examples
+    longer than GPT-2's learned positions: each worker's first forward failed with "IndexError:
+    index out of range in self" (164 lines); now pre-flight and the evaluation's checks refuse
+    them in one line naming the split.
+    """
+    from tango_fairscale.preflight import PreflightError
+    from tests.test_validation import run_preflight
+
+    larger = _tokenizer(GPT2["vocab_size"] * 4, tmp_path / "larger")
+    far = " ".join(f"w{GPT2['vocab_size'] + i}" for i in range(40))
+    cases = [
+        (
+            {"tokenizer": str(larger), "documents": documents() + [far]},
+            f"split 'train' holds token id {GPT2['vocab_size'] + 39}, but the model (GPT2LMHeadModel) has "
+            f"{GPT2['vocab_size']} rows in its input embedding",
+        ),
+        (
+            {"block_size": 2 * GPT2["n_positions"]},
+            f"split 'train' has examples of {2 * GPT2['n_positions']} tokens, but the model "
+            f"(GPT2LMHeadModel) has {GPT2['n_positions']} learned positions (transformer.wpe): "
+            "lower block_size",
+        ),
+    ]
+    for change, message in cases:
+        config = experiment(pretrained)
+        config["steps"]["data"].update(change)
+        with pytest.raises(PreflightError) as raised:
+            run_preflight(config)
+        assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+        # The same data for fairscale::evaluate: refused before the model is built for real.
+        options = {key: value for key, value in config["steps"]["data"].items() if key != "type"}
+        data = TokenizeText().run(**options)  # type: ignore[call-arg]
+        model = Lazy(Model, Params(gpt2_config(pretrained, wrapped=False)))
+        with pytest.raises(PreflightError) as raised:
+            Evaluate().run(model=model, dataset_dict=data, split="train")
+        assert message.replace("split 'train'", "fairscale::evaluate: dataset_dict: split 'train'").split(
+            ": ", 1
+        )[1] in str(raised.value), str(raised.value)
+    # The data the model was made for passes both.
+    run_preflight(experiment(pretrained))
+
+
+def test_an_export_that_cannot_be_written_is_refused_before_training(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """
+    ``export_hf`` on a filesystem that takes no new files (sysfs here: read-only for every user)
+    or without room for the export: found after training before (a 90-line traceback), refused
+    in pre-flight now, naming the path.
+    """
+    from tango_fairscale.errors import CheckpointError
+    from tango_fairscale.output_paths import check_writable
+    from tango_fairscale.preflight import PreflightError
+    from tests.test_validation import run_preflight
+
+    config = experiment(pretrained)
+    config["steps"]["train"]["training_engine"]["export_hf"] = "/sys/tango-fairscale-export/hf"
+    with pytest.raises(PreflightError) as raised:
+        run_preflight(config)
+    assert (
+        "training_engine.export_hf: Cannot write /sys/tango-fairscale-export/hf: /sys does not take new files"
+        in str(raised.value)
+    ), str(raised.value)
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(CheckpointError, match="its filesystem has .* free, and the export needs about"):
+        check_writable(tmp_path / "hf", needed_bytes=free * 2)
+    check_writable(tmp_path / "hf", needed_bytes=1)
+    assert list(tmp_path.iterdir()) == [], "the probe left a file behind"
+
+
+def test_evaluation_mistakes_are_one_line_before_any_worker(
+    pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    Hostile round 5 (issue #44): weights that are no state dict or do not fit the model raised
+    outside the one-line wrapper (40 lines); a sharded evaluation's engine (an unknown backend,
+    init_on_meta "yes", Tango's "torch" engine) and device_count (1000 forked a thousand CPU
+    processes) were not checked before the workers started (75 lines); a model whose forward()
+    takes other inputs, data without labels and a label_shift past the examples' end were raw
+    TypeErrors, ValueErrors, or a cached loss of NaN over 0 tokens. Each is one line now, naming
+    the option, and no worker is spawned.
+    """
+    import tests.components  # noqa: F401 - registers test::no_loss
+    from tango_fairscale.preflight import PreflightError
+
+    def no_workers(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("workers were spawned")
+
+    monkeypatch.setattr(Evaluate, "_sharded", no_workers)
+    data = dataset(pretrained)
+    plain = gpt2_config(pretrained, wrapped=False)
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a state dict\n")
+    adapter = tmp_path / "adapter.pt"
+    torch.save({"base_model.model.lm_head.weight": torch.zeros(GPT2["vocab_size"], GPT2["n_embd"])}, adapter)
+    labelless = DatasetDict({"validation": [{"x": torch.zeros(8), "y": torch.zeros(1)}] * 4})
+    engine = {"type": "fairscale", "init_on_meta": True}
+    cases: List[Any] = [
+        (
+            plain,
+            data,
+            {"weights": str(text_file)},
+            f"weights: {text_file} is not a state dict torch.load reads",
+        ),
+        (
+            gpt2_config(pretrained),
+            data,
+            {"weights": str(adapter), "device_count": 2},
+            f"weights: {adapter} does not fit the model (missing lm_head.weight",
+        ),
+        (plain, data, {"weights": str(adapter)}, f"weights: {adapter} does not fit the model"),
+        (
+            gpt2_config(pretrained),
+            data,
+            {"device_count": 2, "training_engine": {**engine, "backend": "nope"}},
+            "training_engine.backend: must be one of ['fairscale', 'torch'], got 'nope'",
+        ),
+        (
+            gpt2_config(pretrained),
+            data,
+            {"training_engine": {**engine, "init_on_meta": "yes"}},
+            "training_engine.init_on_meta: expected true or false, got 'yes'",
+        ),
+        (
+            gpt2_config(pretrained),
+            data,
+            {"training_engine": {**engine, "init_on_mta": True}},
+            "training_engine.init_on_mta: not an option of the 'fairscale' engine: did you mean "
+            "'init_on_meta'?",
+        ),
+        (
+            gpt2_config(pretrained),
+            data,
+            {
+                "device_count": 2,
+                "training_engine": {"type": "torch", "optimizer": {"type": "torch::SGD", "lr": 0}},
+            },
+            'training_engine: a sharded evaluation builds the model with the "fairscale" engine, '
+            "not 'torch'",
+        ),
+        (
+            gpt2_config(pretrained),
+            data,
+            {"device_count": 1000},
+            "device_count 1000 would start 1000 CPU worker processes",
+        ),
+        (
+            {"type": "test::no_loss"},
+            data,
+            {},
+            "model: NoLoss.forward(x, y) takes no 'input_ids', a key of the batches of dataset_dict split "
+            "'validation' (input_ids, labels, attention_mask)",
+        ),
+        (
+            plain,
+            labelless,
+            {},
+            "dataset_dict: the examples of split 'validation' have no 'labels' tensor (they have keys x, y)",
+        ),
+        (
+            plain,
+            data,
+            {"label_shift": BLOCK_SIZE},
+            f"label_shift {BLOCK_SIZE} leaves no token to predict in the examples of split 'validation', "
+            f"of {BLOCK_SIZE} tokens",
+        ),
+    ]
+    for model, dataset_dict, options, message in cases:
+        if "training_engine" in options:
+            options = {**options, "training_engine": Lazy(TrainingEngine, Params(options["training_engine"]))}
+        with pytest.raises(PreflightError) as raised:
+            Evaluate().run(model=Lazy(Model, Params(model)), dataset_dict=dataset_dict, **options)
+        assert message in str(raised.value) and "\n" not in str(raised.value), (options, str(raised.value))
+
+
+def test_an_evaluation_of_no_token_is_refused_not_cached(pretrained: Path) -> None:
+    """
+    Examples whose every label is -100: the evaluation returned (and Tango cached) a loss of NaN
+    over 0 tokens with exit 0; now the step raises its one line, so there is no result to cache.
+    """
+    from tango_fairscale.preflight import PreflightError
+
+    blocks = [{"input_ids": torch.arange(1, 9), "labels": torch.full((8,), -100)}] * 3
+    model = Lazy(Model, Params(gpt2_config(pretrained, wrapped=False)))
+    with pytest.raises(PreflightError) as raised:
+        Evaluate().run(model=model, dataset_dict=DatasetDict({"validation": blocks}), batch_size=2)
+    assert "split 'validation' has no token to predict" in str(raised.value), str(raised.value)
+    assert "\n" not in str(raised.value)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from tango.integrations.torch import Model
 
 from tests import harness
 from tests.helpers import TINY_LLAMA, max_abs_difference, pretrained_name, train_config
@@ -333,3 +334,264 @@ def test_the_merged_export_loads_with_from_pretrained_and_gives_the_trained_logi
         difference = (merged(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
     print(f"merged export from from_pretrained: max logit difference {difference:.3e}")
     assert difference <= TOLERANCE
+
+
+# --- modules_to_save, trained biases, a tied head: issue #44 -------------------------------------
+
+#: peft's options beyond the adapters: a trained copy of the (tied) head, and every bias trained.
+FULL_OPTIONS: Dict[str, Any] = {
+    "r": 4,
+    "target_modules": ["q_proj", "v_proj"],
+    "modules_to_save": ["lm_head"],
+    "bias": "all",
+}
+
+
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (head tied to the embedding) with biases on its attention projections."""
+    from tests.helpers import save_tiny_llama
+
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("biased") / "llama", {**LLAMA, "attention_bias": True}, seed=4
+    )
+
+
+def _logits_of(model: Any, seed: int) -> torch.Tensor:
+    tokens = torch.randint(LLAMA["vocab_size"], (2, LENGTH), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits  # type: ignore[no-any-return]
+
+
+def _with_lora(pretrained: Path, options: Dict[str, Any]) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from tango_fairscale import with_lora
+
+    return with_lora(AutoModelForCausalLM.from_pretrained(pretrained), **options)
+
+
+def _state_source(state: Dict[str, torch.Tensor]) -> Any:
+    """A state dict as the export reads weights.pt: names with shapes and dtypes, and a reader."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}, state.__getitem__
+
+
+def _exported_logits(pretrained: Path, adapter: Path, merged: Path, seed: int) -> Dict[str, torch.Tensor]:
+    """The logits of the adapter directory loaded by peft onto the base, and of the merged export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), str(adapter))
+    return {
+        "adapter": _logits_of(loaded, seed),
+        "merged": _logits_of(AutoModelForCausalLM.from_pretrained(merged), seed),
+    }
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        FULL_OPTIONS,
+        {"r": 4, "target_modules": ["q_proj", "v_proj"], "bias": "lora_only"},
+        # LoRA on the head tied to the embedding: merged into the one tensor, it changed the embedding.
+        {"r": 4, "target_modules": ["q_proj", "lm_head"]},
+    ],
+    ids=["modules_to_save-bias_all", "bias_lora_only", "lora_on_the_tied_head"],
+)
+def test_the_adapter_and_merged_exports_hold_every_trained_tensor(
+    biased: Path, tmp_path: Path, options: Dict[str, Any]
+) -> None:
+    from tango_fairscale.hf_export import export_merged_adapter, export_peft_adapter
+
+    model = _with_lora(biased, options)
+    # Training's stand-in: every trainable tensor moved off its start.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.2)
+    expected = _logits_of(model, seed=4)
+    source = _state_source(dict(model.state_dict()))
+    export_peft_adapter(source, tmp_path / "adapter", model, base_directory=biased)
+    export_merged_adapter(tmp_path / "adapter", tmp_path / "merged")
+    for kind, logits in _exported_logits(biased, tmp_path / "adapter", tmp_path / "merged", seed=4).items():
+        difference = (logits - expected).abs().max().item()
+        print(f"[{options}] {kind} export: max logit difference {difference:.3e}")
+        assert difference <= TOLERANCE, kind
+
+
+def _full_experiment(pretrained: Path, backend: str) -> Dict[str, Any]:
+    """fairscale::with_lora with FULL_OPTIONS, under DDP or a backend with init_on_meta, exported."""
+    model = {
+        "type": "fairscale::with_lora",
+        "model": {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(pretrained)},
+        **FULL_OPTIONS,
+    }
+    config = experiment(pretrained, backend, True, 0.01, STEPS)
+    train = config["steps"]["train"]
+    if backend == "ddp":
+        train["model"] = model
+    else:
+        train["model"]["model"] = model
+    return config
+
+
+@pytest.fixture(scope="module")
+def full_runs(biased: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """The work directories of FULL_OPTIONS runs: DDP, and each backend under init_on_meta."""
+    root = tmp_path_factory.mktemp("full_runs")
+    keys = ["ddp", "fairscale", "torch"]
+    jobs = [harness.Train(_full_experiment(biased, key), root / key) for key in keys]
+    for result in harness.run(jobs, out=root / "harness", timeout=600):
+        result.check()
+    return {key: job.work_dir for key, job in zip(keys, jobs)}
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_modules_to_save_and_trained_biases_train_as_ddp_and_export_the_trained_model(
+    full_runs: Dict[str, Path], biased: Path, backend: str
+) -> None:
+    """
+    The head's modules_to_save copy starts from the pretrained head under init_on_meta (as
+    eagerly), so the run ends as DDP's; the adapter export holds the trained biases and the
+    head's copy: peft's PeftModel.from_pretrained and the merged export give the trained logits.
+    """
+    weights = torch.load(full_runs[backend] / "weights.pt", weights_only=True)
+    ddp = torch.load(full_runs["ddp"] / "weights.pt", weights_only=True)
+    assert set(weights) == set(ddp)
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    biases = [key for key in weights if key.endswith(".bias")]
+    assert biases and not torch.equal(
+        weights[head], weights["base_model.model.lm_head.original_module.weight"]
+    )
+    difference = max_abs_difference(weights, ddp)
+    print(f"[{backend}, init_on_meta] max |weights.pt - DDP| = {difference:.3e}")
+    assert difference <= TOLERANCE
+    trained = _with_lora(biased, FULL_OPTIONS)
+    trained.load_state_dict(weights)
+    expected = _logits_of(trained, seed=5)
+    work_dir = full_runs[backend]
+    exported = _exported_logits(biased, work_dir / "adapter", work_dir / "merged", seed=5)
+    for kind, logits in exported.items():
+        difference = (logits - expected).abs().max().item()
+        print(f"[{backend}] {kind} export: max logit difference {difference:.3e}")
+        assert difference <= TOLERANCE, kind
+
+
+def _peft_method_config(method: str) -> Any:
+    import peft
+
+    if method == "IA3":
+        return peft.IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        )
+    if method == "LOHA":
+        return peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj"])
+    if method == "VERA":
+        return peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    if method == "PREFIX_TUNING":
+        return peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    return peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+
+
+@Model.register("test::peft_method", exist_ok=True)
+def peft_method(pretrained: str, method: str) -> Model:
+    """A user's own constructor of a peft model of another method than LoRA."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(pretrained)
+    return get_peft_model(base, _peft_method_config(method))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("method", ["IA3", "LOHA", "VERA", "PREFIX_TUNING", "PROMPT_TUNING"])
+def test_peft_methods_other_than_lora_are_refused_before_training(pretrained: Path, method: str) -> None:
+    """
+    They trained and then exported nothing (IA3, LoHa), or failed in the export (prefix and
+    prompt tuning) or in the first forward (VeRA under init_on_meta). Refused by pre-flight under
+    init_on_meta (the model built on meta), and by each worker's build before it shards the model
+    (the backends' note_model asks adapter_config_of), in one line naming the method.
+    """
+    from tango.common import Lazy, Params
+    from tango.common.exceptions import ConfigurationError
+
+    from tango_fairscale.lora import adapter_config_of
+    from tango_fairscale.preflight import check_model
+
+    model = {"type": "test::peft_method", "pretrained": str(pretrained), "method": method}
+    wrapped = {
+        "type": "fairscale::with_wrapped_modules",
+        "model": model,
+        "wrap_module_classes": ["LlamaDecoderLayer"],
+        "fsdp_config": {},
+    }
+    expected = f"model: its peft adapter 'default' is peft's {method} ("
+    supported = "it supports peft's LoRA only (LoraConfig, or fairscale::with_lora)"
+    with pytest.raises(ConfigurationError) as error:
+        check_model(Lazy(Model, Params(wrapped)), None, init_on_meta=True, export_hf="adapter")
+    eager = peft_method(str(pretrained), method)
+    with pytest.raises(ConfigurationError) as in_worker:
+        adapter_config_of(eager)
+    for message in (str(error.value), str(in_worker.value)):
+        assert message.startswith(expected) and supported in message and "\n" not in message, message
+
+
+#: A process that exports a LoRA adapter into sys.argv[2] from the model of sys.argv[1] and is
+#: killed (SIGKILL) in the middle: "early" while filling the temporary directory, "late" after a
+#: second export put its directory in place, before it removed the previous one.
+_KILLED_EXPORT = """
+import os, shutil, signal, sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from tango_fairscale import hf_export, with_lora
+
+model = with_lora(AutoModelForCausalLM.from_pretrained(sys.argv[1]), r=4, target_modules=["q_proj"])
+state = dict(model.state_dict())
+source = ({name: (tuple(t.shape), t.dtype) for name, t in state.items()}, state.__getitem__)
+die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[3] == "early":
+    hf_export._copy_tokenizer = die
+else:
+    hf_export.export_peft_adapter(source, Path(sys.argv[2]), model)
+    hf_export.shutil = type("Shutil", (), {"rmtree": staticmethod(die), "copyfile": shutil.copyfile})
+hf_export.export_peft_adapter(source, Path(sys.argv[2]), model)
+"""
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_the_next_export_removes_what_a_killed_adapter_export_left(
+    pretrained: Path, tmp_path: Path, when: str
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tango_fairscale.hf_export import export_peft_adapter
+
+    adapter = tmp_path / "adapter"
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_EXPORT, str(pretrained), str(adapter), when],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    left = [path for path in tmp_path.iterdir() if path.name.startswith(".adapter.")]
+    suffix = "tmp" if when == "early" else "old"
+    assert len(left) == 1 and left[0].name.endswith("." + suffix), left
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in left[0].iterdir()}
+    # A directory named as the killed export's temporaries were that holds something an export
+    # does not write: not ours, kept.
+    _, _, host, pid, _, _ = left[0].name.split(".")
+    foreign = tmp_path / f".adapter.{host}.{pid}.0123abcd.tmp"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+
+    from transformers import AutoModelForCausalLM
+
+    from tango_fairscale import with_lora
+
+    model = with_lora(AutoModelForCausalLM.from_pretrained(pretrained), r=4, target_modules=["q_proj"])
+    export_peft_adapter(_state_source(dict(model.state_dict())), adapter, model)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["adapter", foreign.name])
+    assert (foreign / "notes.txt").read_text() == "mine"

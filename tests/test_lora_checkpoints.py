@@ -264,3 +264,46 @@ def test_resuming_with_more_of_the_model_frozen_keeps_what_the_checkpoint_traine
     named = set(marker[pretrained_base.MARKER_FIELD]["tensors"])
     assert not [name for name in named if name.startswith("model.layers.1.")]
     assert [name for name in named if name.startswith("model.layers.0.")]
+
+
+@pytest.mark.parametrize("backend", ["torch", "fairscale"])
+def test_a_marker_whose_model_records_were_removed_or_edited_is_refused_in_one_line(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """
+    Removed, the pretrained_base record left a torch-backend checkpoint that consolidated to the
+    adapters alone (exit 0); an edited peft_adapter record failed in a traceback inside peft.
+    """
+    import shutil
+
+    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
+    run = experiment(pretrained, backend)
+    run["steps"]["train"].update(train_steps=2, checkpoint_every=2)
+    harness.train(run, tmp_path / "run")
+    saved = tmp_path / "run" / "checkpoint_state_step2"
+    records = {
+        pretrained_base.MARKER_FIELD: lambda marker: marker.pop(pretrained_base.MARKER_FIELD),
+        "peft_adapter": lambda marker: marker["peft_adapter"].update(r=8),
+    }
+    for record, edit in records.items():
+        checkpoint = tmp_path / record
+        shutil.copytree(saved, checkpoint)
+        marker = json.loads((checkpoint / "COMPLETE.json").read_text())
+        edit(marker)
+        (checkpoint / "COMPLETE.json").write_text(json.dumps(marker))
+        for argv in (
+            ["consolidate", str(checkpoint), str(tmp_path / f"{record}.pt")],
+            ["consolidate", str(checkpoint), str(tmp_path / f"{record}-hf"), "--format", "hf"]
+            + ["--hf-config", str(pretrained)],
+        ):
+            status = cli.main(argv)
+            err = capsys.readouterr().err
+            with capsys.disabled():
+                print(f"[{backend}] {' '.join(argv[:2] + argv[3:4])}: exit {status}: {err.strip()}")
+            how = "removed" if record == pretrained_base.MARKER_FIELD else "changed"
+            expected = (
+                f"error: {checkpoint / 'COMPLETE.json'}: its record {record!r} was {how} since the "
+                "checkpoint was saved"
+            )
+            assert status == 2 and err.startswith(expected) and err.count("\n") == 1, err
+            assert "Traceback" not in err

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,7 @@ from tango_fairscale.cli import main
 from tango_fairscale.metrics import METRICS_FILE_NAME, MetricsLog
 from tests import harness
 from tests.components import RecordLosses, RegressorWithMetrics
-from tests.helpers import train_config
+from tests.helpers import tango_command, tango_env, train_config, train_work_dir
 from tests.test_cli import fails
 
 
@@ -568,3 +569,68 @@ def test_a_crash_right_after_a_checkpoint_keeps_the_checkpointed_steps_line(tmp_
     assert [event.step for event in scalars] == list(range(1, 7))
     for event in scalars:
         assert event.value == pytest.approx(losses[str(event.step - 1)], rel=1e-6)
+
+
+def test_the_workers_of_a_host_share_one_peak_measured_at_once(tmp_path: Path) -> None:
+    """
+    On CPU workers the host's workers measure the matmul peak at the same moment and share the
+    host's best, so that workers stepping at the same speed report the same MFU (before, each
+    measured its own whenever it got there: 29.7 % and 61.2 % on a shared machine).
+    """
+    work_dir = tmp_path / "work"
+    harness.train(train_config(train_steps=2, checkpoint_every=2, callbacks=[]), work_dir).check()
+    lines = read_all(work_dir / METRICS_FILE_NAME)
+    (run,) = [line for line in lines if line["kind"] == "run"]
+    first, second = run["peak_flops_per_second_per_worker"]
+    assert first == second > 0, run
+    assert run["peak_flops_per_second"] == 2 * first
+    assert re.fullmatch(
+        r"measured: 1024x1024 float32 matmul on \d+ thread\(s\) by each of the host's 2 worker\(s\) at "
+        r"once, the host's best: [0-9.]+ GFLOP/s",
+        run["peak"],
+    ), run["peak"]
+    for line in (line for line in lines if line["kind"] == "train"):
+        assert line["mfu"] == pytest.approx(line["model_flops_per_second"] / (2 * first))
+
+
+def test_progress_written_to_a_log_file_is_one_line_per_log_every_steps(tmp_path: Path) -> None:
+    """
+    ``tango run ... > log 2>&1``: no run of carriage-return redrawn bars in the file (before: Tango's
+    bar, one ``\\r`` per redraw), but one line per ``log_every`` steps (Tango's rule: the first,
+    every 4th and the last) with the loss and throughput, and one per validation.
+    """
+    experiment = train_config(train_steps=12, checkpoint_every=6, validate=True)
+    experiment["steps"]["train"]["log_every"] = 4
+    command = tango_command(experiment, tmp_path / "ws", tmp_path / "cwd")
+    log = tmp_path / "tango.log"
+    with open(log, "wb") as output:
+        result = subprocess.run(
+            command,
+            cwd=tmp_path / "cwd",
+            env=tango_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    text = log.read_bytes().decode()
+    assert result.returncode == 0, text[-4000:]
+    assert "\r" not in text and "it/s" not in text, text[-4000:]
+    # Said at once, then the lines.
+    assert "Training: 12 steps on 2 worker(s), a line every 4 step(s) (standard error is no terminal" in text
+    progress = [
+        line for line in text.splitlines() if line.startswith(("Training step ", "Validation after "))
+    ]
+    metrics = read_lines(train_work_dir(tmp_path / "ws") / METRICS_FILE_NAME)
+    losses = {line["step"]: line["loss"] for line in metrics if line["kind"] == "train"}
+    pattern = (
+        r"Training step (\d+)/12 \(\d+%\): loss ([0-9.]+), [0-9.,]+ samples/s, MFU [0-9.e-]+ %, "
+        r"0:\d\d:\d\d elapsed"
+    )
+    steps = [re.fullmatch(pattern, line) for line in progress if line.startswith("Training")]
+    assert all(steps) and [int(step[1]) for step in steps if step] == [1, 4, 8, 12], progress
+    for step in steps:
+        assert step is not None and float(step[2]) == pytest.approx(losses[int(step[1])], abs=1e-4)
+    assert [line.split(":")[0] for line in progress if line.startswith("Validation")] == [
+        "Validation after step 6",
+        "Validation after step 12",
+    ], progress

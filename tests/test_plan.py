@@ -354,6 +354,9 @@ def activation_heavy_toy() -> Dict[str, Any]:
     """The toy with a large batch and no reduce-scatter bucket: activations are most of its peak."""
     config = train_config(wrap="nested", fsdp_config={"bucket_cap_mb": 0})
     config["steps"]["train"]["train_dataloader"]["batch_size"] = 4096
+    # Enough examples for a full batch on each of the 2 workers: the run's pre-flight (which plan
+    # runs) refuses fewer.
+    config["steps"]["data"]["train_size"] = 2 * 4096
     return config
 
 

@@ -6,20 +6,33 @@ nothing else: no traceback, no ``Aborted!``, no leaked-semaphore warning. (That 
 its main process however that dies is tests/test_launch.py's ``test_a_worker_dies_with_its_parent``.)
 """
 
+import json
 import logging
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import pytest
+import torch
 
-from tango_fairscale.checkpointing import is_complete
+from tango_fairscale.checkpointing import is_complete, newest_complete_checkpoint
 from tango_fairscale.launch.signals import TrainingStopped
 from tango_fairscale.metrics import read_metrics
-from tests.helpers import descendants, tango_command, tango_env, train_config, train_work_dir
+from tests.helpers import (
+    REPO,
+    descendants,
+    error_lines,
+    one_line_error,
+    tango_command,
+    tango_env,
+    train_config,
+    train_work_dir,
+)
 
 
 def _running(pid: int) -> bool:
@@ -145,3 +158,224 @@ def test_tango_logs_a_stopped_step_again_only_at_debug_level(
         for record in caplog.records
     )
     assert logged_traceback is logged, caplog.text
+
+
+def _start(experiment: Dict[str, Any], root: Path) -> Tuple[subprocess.Popen, Path]:
+    """``tango run`` of ``experiment`` in its own session and process group, its output to a file."""
+    log = root / "tango.log"
+    root.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        tango_command(experiment, root / "ws", root / "cwd"),
+        cwd=root / "cwd",
+        env={**tango_env(), "OMP_NUM_THREADS": "1"},
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return process, log
+
+
+def _finish(process: subprocess.Popen, log: Path) -> str:
+    """Wait for the run to end (kill it and what it left after 60 s); its output."""
+    try:
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in descendants(process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return log.read_text()
+
+
+def _stop_line(output: str) -> str:
+    """The one ERROR line of a stopped run, without its time and source location."""
+    (line,) = error_lines(output)
+    return line
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_sigint_to_the_main_process_alone_or_to_its_group_is_the_same_one_line(
+    backend: str, tmp_path: Path
+) -> None:
+    """
+    A scheduler's or ``timeout``'s SIGINT reaches the ``tango`` process alone; a terminal's Ctrl-C,
+    its whole process group. Either, as soon as the training step starts (pre-flight), ends the run
+    with the same one line and exit status 130 (before: SIGINT to the main process during
+    pre-flight printed click's "Aborted!" and exited 1).
+    """
+    experiment = train_config(
+        device_count=2,
+        train_steps=500,
+        checkpoint_every=4,
+        engine_extra={"backend": backend},
+        callbacks=[{"type": "test::slow_down", "seconds": 0.2}],
+    )
+    runs = {
+        to_group: _start(experiment, tmp_path / ("group" if to_group else "main"))
+        for to_group in (False, True)
+    }
+    outputs, lines = {}, {}
+    for to_group, (process, log) in runs.items():
+        deadline = time.monotonic() + 240
+        while 'Starting step "train"' not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.02)
+        if to_group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            os.kill(process.pid, signal.SIGINT)
+    for to_group, (process, log) in runs.items():
+        outputs[to_group] = _finish(process, log)
+        assert process.returncode == 130, outputs[to_group][-4000:]
+        for noise in ("Traceback", "Aborted!", "KeyboardInterrupt", "Uncaught exception", "leaked semaphore"):
+            assert noise not in outputs[to_group], f"{noise!r} in the output:\n{outputs[to_group][-4000:]}"
+        lines[to_group] = _stop_line(outputs[to_group])
+    print(lines)
+    # The same one line, whichever got the signal: the training step's, or the run's where the
+    # step had not yet taken over (the moment the signal lands differs between runs).
+    for line in lines.values():
+        assert re.fullmatch(
+            r"Stopped by SIGINT \(Ctrl-C\): (no worker running( yet)?|2 worker\(s\) stopped), no "
+            r"checkpoint written for the interruption; rerun the same tango run command to (start the step "
+            r"again \(it had no complete checkpoint yet\)|go on from the steps it finished \(they are in the "
+            r"workspace\)) \(exit status 130\)\.",
+            line,
+        ), lines
+
+
+def test_a_worker_killed_by_sigkill_is_one_line_naming_it_the_signal_and_the_oom_killer(
+    tmp_path: Path,
+) -> None:
+    """
+    The OOM killer's SIGKILL to one worker: the run ends with one line naming that worker (rank and
+    pid), the signal, the likely cause and the checkpoint to resume from (before: Tango's 34-line
+    traceback of mp.spawn's ``ProcessExitedException: process 1 terminated with signal SIGKILL``).
+    """
+    experiment = train_config(
+        device_count=2,
+        train_steps=500,
+        checkpoint_every=4,
+        callbacks=[{"type": "test::record_process"}, {"type": "test::slow_down", "seconds": 0.2}],
+    )
+    process, log = _start(experiment, tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(
+            (tmp_path / "ws").glob("cache/TorchTrainStep-*/work/checkpoint_state_step4/COMPLETE.json")
+        ):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        work_dir = train_work_dir(tmp_path / "ws")
+        rank0 = json.loads((work_dir / "process.json").read_text())["pid"]
+        workers = [
+            pid
+            for pid in descendants(process.pid)
+            if pid != rank0 and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(workers) == 1, workers  # worker 1 (the resource tracker is no spawn_main)
+        os.kill(workers[0], signal.SIGKILL)
+    finally:
+        output = _finish(process, log)
+    assert process.returncode == 1, output[-4000:]
+    line = one_line_error(output)
+    assert line == (
+        f"Worker 1 (pid {workers[0]}) was killed by SIGKILL: out of memory? The kernel's OOM killer "
+        f"sends SIGKILL: see `dmesg` or `journalctl -k` for 'Killed process {workers[0]}'; lower the "
+        "batch size, or the workers' memory (docs/capacity.md). Rerun the same tango run command to "
+        f"resume from its latest checkpoint, {_newest(work_dir)}."
+    ), line
+
+
+def _newest(work_dir: Path) -> str:
+    newest = newest_complete_checkpoint(work_dir)
+    assert newest is not None
+    return newest.name
+
+
+#: ``consolidate`` whose first tensor written sends the process ``sys.argv[1]`` (a signal's name):
+#: a Ctrl-C (or a scheduler's SIGTERM) in the middle of the write.
+_SIGNALLED_CONSOLIDATE = """
+import os, signal, sys, time
+from tango_fairscale import cli, consolidation
+original, signum = consolidation.save_model, getattr(signal, sys.argv[1])
+def save_model(source, output, progress=None):
+    def after_a_tensor():
+        progress()
+        os.kill(os.getpid(), signum)
+        time.sleep(5)
+    return original(source, output, progress=after_a_tensor)
+consolidation.save_model = save_model
+sys.exit(cli.main(["consolidate", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize(
+    "backend, signum, exit_status", [(None, signal.SIGINT, 130), ("torch", signal.SIGTERM, 143)]
+)
+def test_a_signal_during_consolidate_is_one_line_and_leaves_nothing_at_the_target(
+    backend: Any, signum: int, exit_status: int, toy_train: Any, tmp_path: Path
+) -> None:
+    """
+    SIGINT or SIGTERM in the middle of ``consolidate``'s write: one line, exit status 130 or 143,
+    and nothing at the target, neither the partial temporary nor the directories made for it
+    (before: SIGINT printed a 22-line ``KeyboardInterrupt`` traceback and left the directories,
+    SIGTERM killed it with a partial ``.full.pt.PID.HEX.tmp`` left); the same command again writes it.
+    """
+    from tango_fairscale import consolidation
+    from tango_fairscale.checkpointing import resolve_checkpoint
+    from tango_fairscale.cli import main
+
+    work_dir = toy_train("fairscale", "nested", backend=backend)
+    output = tmp_path / "target" / "new" / "full.pt"
+    (tmp_path / "target").mkdir()
+    name = signal.Signals(signum).name
+    result = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_CONSOLIDATE, name, str(work_dir), str(output)],
+        cwd=REPO,
+        env=tango_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == exit_status, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr
+    # The progress bar, then the one line.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Writing tensors" not in line]
+    described = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+    assert lines == [
+        f"error: consolidate stopped by {described}: nothing written at {output}; run the same command again."
+    ], result.stderr
+    assert list((tmp_path / "target").iterdir()) == []
+    assert main(["consolidate", str(work_dir), str(output)]) == 0
+    written = torch.load(output, map_location="cpu", weights_only=True)
+    expected = consolidation.consolidate(resolve_checkpoint(work_dir))
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+
+
+def test_a_workers_death_names_the_likely_cause_of_its_signal_or_its_exit_status() -> None:
+    from torch.multiprocessing import ProcessExitedException
+
+    from tango_fairscale.launch.failures import worker_died
+
+    resume = "rerun the same tango run command to resume from its latest checkpoint, checkpoint_state_step4"
+    crashed = ProcessExitedException(
+        "process 0 terminated with signal SIGSEGV",
+        error_index=0,
+        error_pid=42,
+        exit_code=-11,
+        signal_name="SIGSEGV",
+    )
+    assert str(worker_died(crashed, 2, resume)) == (
+        "Worker 2 (pid 42) was killed by SIGSEGV: a crash in native code (segmentation fault): a library's "
+        "bug, or one built for another torch. Rerun the same tango run command to resume from its latest "
+        "checkpoint, checkpoint_state_step4."
+    )
+    exited = ProcessExitedException(
+        "process 1 terminated with exit code 3", error_index=1, error_pid=43, exit_code=3
+    )
+    assert str(worker_died(exited, 1, resume)).startswith(
+        "Worker 1 (pid 43) exited with status 3 without raising an error (a library called exit). Rerun "
+    )

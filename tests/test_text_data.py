@@ -495,3 +495,137 @@ def test_training_on_the_blocks_resumes_exactly_with_either_backend(
         print(f"[{backend}] tokenized text, max |killed and rerun - uninterrupted|: {difference:.3e}")
         # The same blocks in the same order from the checkpoint on: the same weights, exactly.
         assert difference == 0.0
+
+
+def test_a_misspelt_option_or_a_value_of_the_wrong_type_is_one_line(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """
+    Found by Tango while it constructs the step (patch T8): before, "Extra parameters passed to
+    TokenizeText" or "Expected block_size to be int" inside a 38-42-line traceback; now one line
+    naming the option, with the nearest one, before any step runs.
+    """
+    from tango.step import Step
+
+    from tests.helpers import run_tango
+
+    base = {"type": STEP_NAME, "tokenizer": str(tokenizer_dir), "documents": ["w1 w2 w3"]}
+    cases = [
+        (
+            {"block_sise": 8},
+            f"ConfigurationError: {STEP_NAME}: block_sise is not one of its options: "
+            "did you mean 'block_size'?",
+        ),
+        (
+            {"block_size": "8"},
+            f"ConfigurationError: {STEP_NAME}: block_size must be a whole number, got '8' (a str) "
+            "(write it without quotes)",
+        ),
+        (
+            {"block_size": 8.5},
+            f"ConfigurationError: {STEP_NAME}: block_size must be a whole number, got 8.5 (a float)",
+        ),
+    ]
+    for change, message in cases:
+        with pytest.raises(CliRunError) as raised:
+            Step.from_params(dict(base, **change))
+        assert str(raised.value) == message, str(raised.value)
+    # Another package's step keeps Tango's own error.
+    with pytest.raises(ConfigurationError, match='Missing key "model" for TorchTrainStep') as raised:
+        Step.from_params({"type": "torch::train", "train_stepz": 3})
+    assert not isinstance(raised.value, CliRunError)
+    # Through the command line: the one line, and nothing ran.
+    result = run_tango(
+        {"steps": {"data": dict(base, block_size="8")}}, tmp_path / "ws", cwd=tmp_path, check=False
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and cases[1][1] in output, output[-3000:]
+
+
+# --- Hostile round 5 (issue #44): what Tango hands the step --------------------------------------------
+
+
+def built_and_run(**options: Any) -> Any:
+    """As ``tango run`` does: the step from its config (Tango's FromParams), its id, then ``run``."""
+    from tango.step import Step
+
+    step = Step.from_params({"type": STEP_NAME, **options})
+    _ = step.unique_id
+    return step.run(**step.kwargs)
+
+
+def test_one_string_of_documents_is_one_document(tokenizer_dir: Path, tok: Any) -> None:
+    """
+    ``documents`` as one string: Tango's FromParams made it a list of its characters (the option
+    was a List[str]), each tokenized as a document of its own, so every block was single
+    characters with EOS between them, silently. Now the string is one document.
+    """
+    book = text(5, 12)
+    result = built_and_run(tokenizer=str(tokenizer_dir), documents=book, block_size=4)
+    assert result.metadata["splits"]["train"]["documents"] == 1
+    assert_blocks(result["train"], windows(ids(tok, book), 4, 4))
+
+
+def test_options_of_the_wrong_type_or_outside_path_are_one_line(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """
+    Counts given as fractions, strings or booleans (``true`` was taken as 1), ``null`` where a
+    value is needed, a glob that reads another directory's files ("../gpt2/*.json" tokenized
+    them), an empty glob or path, and the dataset's options without a dataset: raw TypeErrors or
+    quietly accepted before; now one line naming the option, before any text is read.
+    """
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(text(40, 8))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "b.txt").write_text(text(41, 8))
+    base: Dict[str, Any] = {"tokenizer": str(tokenizer_dir), "documents": [text(42, 8), text(43, 8)]}
+    on_path = {"tokenizer": str(tokenizer_dir), "path": str(tmp_path / "text")}
+    cases = [
+        ({"stride": 2.5}, "stride must be a whole number (or null), got 2.5 (a float)"),
+        (
+            {"stride": "8"},
+            "stride must be a whole number (or null), got '8' (a str) (write it without quotes)",
+        ),
+        (
+            {"validation_fraction": "0.1"},
+            "validation_fraction must be a number between 0 and 1 (or null), got '0.1'",
+        ),
+        ({"validation_count": 2.5}, "validation_count must be a whole number (or null), got 2.5 (a float)"),
+        ({"validation_count": True}, "validation_count must be a whole number (or null), got True (a bool)"),
+        ({"max_examples": 1.5}, "max_examples must be a whole number (or null), got 1.5 (a float)"),
+        ({"max_examples": True}, "max_examples must be a whole number (or null), got True (a bool)"),
+        ({"block_size": None}, "block_size must be a whole number, got null"),
+        ({"pack": 0}, "pack must be true or false, got 0 (a int)"),
+        ({"pack": None}, "pack must be true or false, got null"),
+        ({"pack": "false"}, "pack must be true or false, got 'false' (a str)"),
+        ({"hash_contents": 1}, "hash_contents must be true or false, got 1 (a int)"),
+        (
+            {"text_column": "body"},
+            "text_column is an option of dataset (a saved Hugging Face dataset), which is not given",
+        ),
+        (
+            {"dataset_split": "test"},
+            "dataset_split is an option of dataset (a saved Hugging Face dataset), which is not given",
+        ),
+        ({"documents": 5}, "documents must be a string (one document) or a list of strings, got 5 (a int)"),
+        (
+            {**on_path, "glob": "../other/*.txt"},
+            "glob '../other/*.txt' climbs out of the directory in path ('..')",
+        ),
+        (
+            {**on_path, "glob": str(tmp_path / "other" / "*.txt")},
+            f"glob '{tmp_path / 'other' / '*.txt'}' is absolute: give a pattern relative to the directory",
+        ),
+        ({**on_path, "glob": ""}, "glob must be a pattern such as '*.txt', got ''"),
+        ({**on_path, "path": ""}, "path holds an empty name"),
+        ({**on_path, "path": [str(tmp_path / "text"), ""]}, "path holds an empty name"),
+    ]
+    for change, message in cases:
+        options = {**base, **change} if "path" not in change else {"tokenizer": base["tokenizer"], **change}
+        with pytest.raises(TextDataError) as raised:
+            built_and_run(**options)
+        assert str(raised.value).startswith(f"{STEP_NAME}: {message}"), (change, str(raised.value))
+        assert "\n" not in str(raised.value)
+    # The same options of the right types and places run.
+    result = built_and_run(**on_path, glob="*.txt", stride=4, block_size=8, max_examples=3, pack=False)
+    assert len(result["train"]) == 3

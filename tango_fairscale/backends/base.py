@@ -33,7 +33,7 @@ from tango.common import Lazy
 from tango.integrations.torch import Model, TrainConfig
 
 from .. import checkpointing, multihost
-from ..checkpointing import pretrained_base
+from ..checkpointing import model_records, pretrained_base
 from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
@@ -156,6 +156,8 @@ class Backend(ABC):
             fields[pretrained_base.MARKER_FIELD] = self.base.marker_fields()
         if self.adapter_config is not None:
             fields[ADAPTER_FIELD] = self.adapter_config
+        if fields:  # listed with their digests: one removed or edited later is refused
+            fields[model_records.RECORDS_FIELD] = model_records.digests(fields)
         return fields
 
     # --- its checkpoints, told by their marker ---------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Optional
 import torch
 
 from ..errors import CheckpointError
+from . import model_records
 
 MARKER = "COMPLETE.json"
 #: 2: worker files carry a header (kind, rank, world size, step), the marker every file's size
@@ -338,6 +339,7 @@ def read_marker(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
         raise CheckpointError(
             f"{path} is malformed: digests must map file names to sizes and SHA-256 hashes."
         )
+    model_records.check(path, marker)
     return marker
 
 

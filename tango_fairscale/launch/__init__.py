@@ -34,7 +34,8 @@ of a worker is ``node_rank x device_count + local_rank``. What this package deci
 - :func:`worker_train_config` and :func:`worker_environment`: what a spawned worker's
   ``TrainConfig`` and environment become (global rank and world size, devices indexed per
   host, ``is_local_main_process`` true for each host's first worker).
-- :func:`stop_workers_on_signals`: SIGINT or SIGTERM to a ``tango`` process stops its workers.
+- :func:`stop_run_on_signals` and :func:`stop_workers_on_signals`: SIGINT or SIGTERM to a
+  ``tango run`` process ends it with one line, stopping its workers.
 
 By concern: :mod:`.store` (one host's store), :mod:`.launchers` (torchrun and SLURM),
 :mod:`.network` (the interface gloo uses), :mod:`.presence` (each host's run, from start to
@@ -66,9 +67,15 @@ from .network import (
     local_address_towards,
     socket_interface_environment,
 )
-from .presence import LaunchPresence, close_presences, launch_presence, start_in_tango_run
+from .presence import LaunchPresence, close_presences, in_tango_run, launch_presence, start_in_tango_run
 from .rendezvous import HostSession, check_hosts, host_rendezvous
-from .signals import die_with_parent, environment, stop_workers_on_signals, terminate_workers
+from .signals import (
+    die_with_parent,
+    environment,
+    stop_run_on_signals,
+    stop_workers_on_signals,
+    terminate_workers,
+)
 from .store import AGENT_STORE_VARIABLE, LOCAL_ADDRESS, free_port, rendezvous_store
 from .world import (
     HostInfo,
@@ -116,7 +123,9 @@ __all__ = [
     "rendezvous_store",
     "seconds_from_environment",
     "socket_interface_environment",
+    "in_tango_run",
     "start_in_tango_run",
+    "stop_run_on_signals",
     "stop_workers_on_signals",
     "terminate_workers",
     "worker_environment",

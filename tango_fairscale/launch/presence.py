@@ -412,7 +412,7 @@ def close_presences(outcome: str = "ended") -> None:
         thread.join()
 
 
-def _in_tango_run() -> bool:
+def in_tango_run() -> bool:
     """
     Whether this is the main process of a ``tango run``: not a worker, nor a step that Tango's
     multicore executor runs in a process of its own.
@@ -435,7 +435,7 @@ def start_in_tango_run(env: Any = None) -> Optional[LaunchPresence]:
     host's :class:`LaunchPresence` now, before its first step. Anything wrong with the launch's
     environment is left to the training step, which says it in one line.
     """
-    if not _in_tango_run():
+    if not in_tango_run():
         return None
     try:
         launch = detect_launch(os.environ if env is None else env)

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Dict, Iterator, List, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,70 @@ def _resume_hint_default() -> str:
     return "rerun the same tango run command to resume from the latest checkpoint"
 
 
+#: The signals that stop a run, from the main process alone or with its process group.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: The handlers :func:`stop_run_on_signals` replaced (Python's defaults), by signal; empty before.
+_before_run_handlers: Dict[int, Any] = {}
+#: Called with each :class:`TrainingStopped` once its line is logged: the integration boundary
+#: (patch T6) adds one that counts it as logged for Tango, which would log it again with its
+#: traceback where it leaves no step (a signal between two steps).
+STOPPED_HOOKS: List[Callable[[TrainingStopped], None]] = []
+
+
+def _handler_to_restore(sig: int, handler: Any) -> Any:
+    """What a second signal must meet once the first was handled: Python's default (the handler
+    before :func:`stop_run_on_signals`), not the run's handler, which would log a second line."""
+    return _before_run_handlers.get(sig, handler) if handler is _stop_run else handler
+
+
+def _log_stopped(signum: int, workers: str, resume: str) -> TrainingStopped:
+    """Log the one line of a run stopped by ``signum``; the exception that ends it."""
+    stopped = TrainingStopped(signum)
+    if sys.stderr is not None and sys.stderr.isatty():
+        # Worker 0's progress bar, cut off mid-line: the line below starts on a line of its own.
+        sys.stderr.write("\n")
+    logger.error(
+        "Stopped by %s%s: %s, no checkpoint written for the interruption; %s (exit status %d).",
+        signal.Signals(signum).name,
+        " (Ctrl-C)" if signum == signal.SIGINT else "",
+        workers,
+        resume,
+        stopped.code,
+    )
+    for hook in STOPPED_HOOKS:
+        hook(stopped)
+    return stopped
+
+
+def _stop_run(signum: int, frame: Any) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _handler_to_restore(sig, _stop_run))
+    # Another step's workers (an evaluation's), if any: stopped as a training step's are.
+    count = terminate_workers()
+    raise _log_stopped(
+        signum,
+        f"{count} worker(s) stopped" if count else "no worker running",
+        "rerun the same tango run command to go on from the steps it finished (they are in the workspace)",
+    )
+
+
+def stop_run_on_signals() -> None:
+    """
+    In ``tango run``'s main process, from the package's import to its exit: SIGINT or SIGTERM, to
+    this process alone (a scheduler, ``kill``) or to its process group (Ctrl-C), ends the run with
+    the one line and exit status of :func:`stop_workers_on_signals`, outside a training step too
+    (before, a signal there, or in a training step's pre-flight, ended it with Python's
+    ``KeyboardInterrupt`` or click's "Aborted!", exit status 1, or killed it without a word). A
+    training step replaces it while it runs (:func:`stop_workers_on_signals`). Only the main thread
+    can set handlers; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread() or _before_run_handlers:
+        return
+    for sig in STOP_SIGNALS:
+        _before_run_handlers[sig] = signal.getsignal(sig)
+        signal.signal(sig, _stop_run)
+
+
 @contextmanager
 def stop_workers_on_signals(
     grace: float = 5.0, resume_hint: Callable[[], str] = _resume_hint_default
@@ -68,14 +132,61 @@ def stop_workers_on_signals(
     without a traceback (``--log-level debug`` logs one). Without this, Python's default SIGTERM
     would kill this process alone, and SIGINT would leave it waiting for workers that go on
     training. No checkpoint is written: the last complete one is where a rerun resumes. A second
-    signal acts as the first would have without this. Only the main thread can set handlers;
-    elsewhere nothing changes.
+    signal acts as the first would have without this (or :func:`stop_run_on_signals`). Only the
+    main thread can set handlers; elsewhere nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def stop(signum: int, frame: Any) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, _handler_to_restore(sig, handler))
+        count = terminate_workers(grace)
+        raise _log_stopped(
+            signum, f"{count} worker(s) stopped" if count else "no worker running yet", resume_hint()
+        )
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class StopSignal(KeyboardInterrupt):
+    """
+    SIGINT or SIGTERM received by a command of the package (``python -m tango_fairscale
+    consolidate``): raised where the command is, like Ctrl-C's ``KeyboardInterrupt`` (so that the
+    writers' clean-up runs, their temporaries removed), and told by the command as one line with
+    exit status :attr:`exit_status` (130 or 143).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+        self.exit_status = EXIT_STATUS[signal.Signals(signum)]
+
+    def describe(self) -> str:
+        """``SIGINT (Ctrl-C)`` or ``SIGTERM``."""
+        return f"{self.signal_name} (Ctrl-C)" if self.signal_name == "SIGINT" else self.signal_name
+
+
+@contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """
+    While a command runs: SIGINT or SIGTERM raises :class:`StopSignal` in it (Python's default
+    SIGTERM killed the process, leaving a temporary the size of the output behind; SIGINT raised a
+    ``KeyboardInterrupt`` whose traceback the user saw). A second signal acts as Python's default.
+    Only the main thread can set handlers; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -83,24 +194,9 @@ def stop_workers_on_signals(
 
     def stop(signum: int, frame: Any) -> None:
         restore()
-        count = terminate_workers(grace)
-        name = signal.Signals(signum).name
-        stopped = TrainingStopped(signum)
-        if sys.stderr is not None and sys.stderr.isatty():
-            # Worker 0's progress bar, cut off mid-line: the line below starts on a line of its own.
-            sys.stderr.write("\n")
-        logger.error(
-            "Stopped by %s%s: %d worker(s) stopped, no checkpoint written for the interruption; %s "
-            "(exit status %d).",
-            name,
-            " (Ctrl-C)" if signum == signal.SIGINT else "",
-            count,
-            resume_hint(),
-            stopped.code,
-        )
-        raise stopped
+        raise StopSignal(signum)
 
-    for sig in signals:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
     try:
         yield

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 from tango.integrations.torch import TrainCallback
 
 from .core import WorkerTelemetry, telemetry_for
+from .progress import attach_progress_lines
 from .record import StepRecord
 
 __all__ = ["TelemetryCallback"]
@@ -37,6 +38,8 @@ class TelemetryCallback(TrainCallback):
         self.telemetry: WorkerTelemetry = telemetry_for(self.train_config, self.training_engine)
         if self.writes:
             self.telemetry.subscribe(self)
+            # Progress as lines where standard error is no terminal (a log file), not Tango's bar.
+            attach_progress_lines(self.telemetry)
 
     @property
     def writes(self) -> bool:

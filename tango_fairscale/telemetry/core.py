@@ -130,6 +130,7 @@ class _Validation:
     """The validation loop under way on this worker: its batches' outputs so far."""
 
     step: int  # the Tango step index it follows
+    epoch: int  # that step's epoch
     outputs: Sums = field(default_factory=dict)
     last_batch: int = -1
 
@@ -172,6 +173,7 @@ class WorkerTelemetry:
         self._described = False  # whether a record carried the run's MeterInfo
         self._validation: Optional[_Validation] = None
         self._validated: Optional[int] = None  # the step of the last validation record
+        self._epoch = 0  # the epoch of the last step begun
         self._ended = False
         self._route: Optional[StoreRoute] = None
         self._route_tried = False
@@ -181,6 +183,10 @@ class WorkerTelemetry:
         self._arrived: Dict[int, StepRecord] = {}  # the other workers' records of the queue's first
         self._gave_up_waiting = False
         self._late_warned = False
+        # Told of each checkpoint before it is saved, by an engine that can (this package's).
+        listeners = getattr(training_engine, "before_checkpoint", None)
+        if isinstance(listeners, list):
+            listeners.append(self.before_checkpoint)
 
     # --- set-up by the callbacks ------------------------------------------------------------------
 
@@ -201,7 +207,7 @@ class WorkerTelemetry:
     # --- Tango's hooks, from every reading callback -------------------------------------------------
 
     def pre_train_loop(self) -> None:
-        """Finds the peak (on CPU workers all workers measure at once, as they train) and opens the route."""
+        """Finds the peak (on CPU workers, one per host, measured at once) and opens the route."""
         self.peak()
         self._open_route()
 
@@ -214,6 +220,7 @@ class WorkerTelemetry:
             self._open_route()
         if self._clock is None:
             self._clock, self._mark = time.perf_counter(), COLLECTIVES.totals()
+        self._epoch = epoch
         count = count_batch(batch)
         if count.tokens is not None:
             self._token_source = count.tokens.source
@@ -237,7 +244,7 @@ class WorkerTelemetry:
     def pre_val_batch(self, step: int, val_step: int) -> None:
         self._finish(stop_clock=True)
         if self._validation is None or self._validation.step != step:
-            self._validation = _Validation(step)
+            self._validation = _Validation(step, self._epoch)
         self._deliver(final=False)
 
     def post_val_batch(self, step: int, val_step: int, outputs: Mapping[str, Any]) -> None:
@@ -265,6 +272,25 @@ class WorkerTelemetry:
             )
         )
         self._deliver(final=False)
+
+    def before_checkpoint(self, trainer_state: Mapping[str, Any]) -> None:
+        """
+        Tango saves the checkpoint of a step it validated before it calls ``post_val_loop``: a run
+        killed in between resumed after that step, and its validation record was never made. When
+        the step was validated, its record is made and read now, from the values Tango saves
+        (``trainer_state``, the checkpoint's; an engine with a ``before_checkpoint`` list calls
+        this before saving); ``post_val_loop`` then finds it made.
+        """
+        steps, validation = trainer_state.get("training_steps"), self._validation
+        if not isinstance(steps, int) or validation is None or validation.step != steps - 1:
+            return
+        name = self.train_config.val_metric_name
+        val_metric = trainer_state.get(f"val_{name}")
+        if self._validated == validation.step or val_metric is None:
+            return
+        best = trainer_state.get(f"best_{name}", val_metric)  # set by Tango whenever it validates
+        self.post_val_loop(validation.step, validation.epoch, val_metric, best)
+        self._deliver(final=True)
 
     def baseline(self, val_metric: float, outputs: Sums) -> None:
         """
@@ -309,9 +335,13 @@ class WorkerTelemetry:
         return torch.float32
 
     def peak(self) -> Peak:
-        """This worker's peak FLOP/s (measured on the first call on a CPU worker)."""
+        """
+        This worker's peak FLOP/s (measured on the first call on a CPU worker, ``pre_train_loop``
+        on every worker: in a process group the host's workers measure together and share one).
+        """
         if self._peak is None:
-            self._peak = find_peak(self.device, self.compute_dtype(), self._given_peak)
+            hosts = getattr(self.train_config, "local_world_size", self.world_size)
+            self._peak = find_peak(self.device, self.compute_dtype(), self._given_peak, hosts)
         return self._peak
 
     def collectives_timed(self) -> bool:

@@ -223,6 +223,17 @@ def module_aliases(model: torch.nn.Module) -> List[Tuple[str, str]]:
     return aliases
 
 
+def shared_parameters(unit: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """
+    ``(source, destination)`` plain names of the parameters one FSDP unit's metadata records as
+    tied. FairScale names them relative to the unit's module: a weight tied inside a nested unit
+    (``blocks.0``'s ``b.weight = a.weight``) is ``("a.weight", "b.weight")``, and only the root's
+    pairs were the model's names (a ``KeyError`` writing ``weights.pt``).
+    """
+    prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
+    return [(prefix + source, prefix + destination) for source, destination in unit["shared_param_info"]]
+
+
 def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """
     The full, unsharded state dict of the model, with the plain model's keys, from every
@@ -232,16 +243,22 @@ def consolidate_model_state(shards: List[Dict[str, Any]]) -> Dict[str, torch.Ten
 
     weights = [shard["weights"] for shard in shards]
     metadata = [shard["metadata"] for shard in shards]
-    full = FSDP.consolidate_shard_weights(weights, metadata, with_module_buffers=False)
+    # FairScale copies the tied parameters of its last unit only, by names relative to that unit:
+    # a KeyError for a nested unit's. Given none, it copies none; they are copied below.
+    untied = [
+        {**m, "param_metadata": [{**unit, "shared_param_info": []} for unit in m["param_metadata"]]}
+        for m in metadata
+    ]
+    full = FSDP.consolidate_shard_weights(weights, untied, with_module_buffers=False)
     # Buffers are replicated: worker 0's. FairScale's metadata also lists non-persistent
     # buffers (e.g. GPT-2's causal mask), which are in no state dict: skip those.
     for name in metadata[0]["buffer_names"]:
         if name in weights[0]:
             full[name] = weights[0][name]
-    # FairScale restores tied (shared) parameters only for the last FSDP unit's metadata;
-    # do it for every unit.
+    # FairScale restores tied (shared) parameters only for the last FSDP unit's metadata, and
+    # without the unit's path; do it for every unit.
     for unit in metadata[0]["param_metadata"]:
-        for source, destination in unit["shared_param_info"]:
+        for source, destination in shared_parameters(unit):
             full[destination] = full[source]
     for canonical, alias in shards[0].get("module_aliases", []):
         prefix = f"{canonical}." if canonical else ""
@@ -321,7 +338,7 @@ class ConsolidatedModel:
                 tensor = self._weights[0][name]
                 entries[name] = TensorEntry(name, tuple(tensor.shape), tensor.dtype)
         for unit in metadata[0]["param_metadata"]:
-            for source, destination in unit["shared_param_info"]:
+            for source, destination in shared_parameters(unit):
                 alias(destination, source)
         for canonical, module_alias in shards[0].get("module_aliases", []):
             prefix = f"{canonical}." if canonical else ""

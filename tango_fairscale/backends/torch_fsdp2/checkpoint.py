@@ -10,6 +10,7 @@ Layout of a checkpoint directory (``checkpoint_state_step<N>``)::
     dcp/__{r}_0.distcp       worker r's shards of the model and optimizer state
     worker{r}_{name}.pt      worker r's replicated extra states (trainer, lr_scheduler, ...),
                              written with tango_fairscale.checkpointing.atomic_save and a header
+    worker{r}_buffers.pt     worker r's own buffers (BUFFERS_STATE), for a model that has any
     COMPLETE.json            written last, by save_sharded (the commit sequence of both backends)
 
 DCP reshards on load: a checkpoint saved by N workers loads on M (any mesh).
@@ -70,7 +71,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 
 from ... import checkpointing, compat
 from ...checkpointing import pretrained_base
@@ -80,6 +80,7 @@ from ...checkpointing.streaming import TensorEntry
 from ...errors import CheckpointError
 from ...topology import Topology
 from ..lookup import check_written_by, holds_worker_files
+from .buffers import BUFFERS_STATE, own_buffers, restore_own_buffers, worker_0_buffers
 from .safe_reading import (
     METADATA_FILE,
     METADATA_GLOBALS,
@@ -319,28 +320,10 @@ def _training_state(
         model_state, optimizer_state = get_state_dict(model, optimizer)
     if leave_out:
         model_state = {k: v for k, v in model_state.items() if plain_name(k) not in leave_out}
-    state = {"model": _worker_0_buffers(model_state)}
+    state = {"model": worker_0_buffers(model_state)}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
     return state
-
-
-def _worker_0_buffers(model_state: Dict[str, Any]) -> Dict[str, Any]:
-    """
-    ``model_state`` with each plain tensor (a buffer: FSDP2's parameters are DTensors) replaced by
-    worker 0's value. Buffers are not synchronised (BatchNorm's running statistics differ per
-    worker), and DCP keeps one worker's copy of a replicated value, which was not worker 0's:
-    ``weights.pt`` held worker 1's statistics where DDP's and the fairscale backend's hold worker
-    0's. The model's own buffers are left as they are. Collective.
-    """
-    chosen = dict(model_state)
-    for name in sorted(model_state):
-        value = model_state[name]
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            copy = value.detach().clone()
-            dist.broadcast(copy, src=0)
-            chosen[name] = copy
-    return chosen
 
 
 def save_sharded(
@@ -381,8 +364,15 @@ def save_sharded(
         raise ValueError(f"save_sharded: a topology of {topology.world_size} workers for {world_size}.")
     extra_states = dict(extra_states or {})
     for name in extra_states:
-        if not name.isidentifier():
-            raise ValueError(f"save_sharded: extra state names must be identifiers, got {name!r}.")
+        if not name.isidentifier() or name == BUFFERS_STATE:
+            raise ValueError(
+                f"save_sharded: extra state names must be identifiers other than {BUFFERS_STATE!r}, "
+                f"got {name!r}."
+            )
+    buffers = own_buffers(model)
+    if buffers:
+        # DCP holds worker 0's (weights.pt's); each worker resumes its own.
+        extra_states[BUFFERS_STATE] = buffers
     nodes = [topology.host_of(r) for r in range(world_size)]
     dcp_dir = checkpoint_dir / DCP_DIR
 
@@ -517,7 +507,8 @@ def load_sharded(
     shard. Across hosts, a host's part of a checkpoint of the same world size loads too (its
     workers read their host's files only). Collective: every worker calls it. Returns this
     worker's extra states (name -> state): its own file, or worker 0's for a worker the saving
-    run did not have.
+    run did not have. Each worker's buffers are its own as saved (on another number of workers,
+    the saving run's worker 0's, as on the fairscale backend).
 
     Every file is checked against the marker before it is read, and nothing is unpickled beyond
     DCP's metadata classes and plain values (see the module's docstring). A checkpoint of the
@@ -573,10 +564,14 @@ def load_sharded(
             options=options,
         )
     source = rank if rank < marker["world_size"] else 0
-    return {
+    states = {
         name: checkpointing.read_worker_state(checkpoint_dir, marker, source, name, hashes=hashes)
         for name in checkpointing.saved_file_names(marker)
     }
+    buffers = states.pop(BUFFERS_STATE, None)
+    if buffers is not None and marker["world_size"] == dist.get_world_size():
+        restore_own_buffers(model, buffers)
+    return states
 
 
 #: The path parts that wrappers add to parameter names: torch's checkpoint wrapper, FSDP1's.
