@@ -30,6 +30,7 @@ import torch
 from tango.common import Lazy, Params
 from tango.common.exceptions import CliRunError, ConfigurationError
 from tango.integrations.torch import Model, Sampler, TrainCallback, TrainingEngine
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
@@ -292,13 +293,10 @@ def check_model(
             # Tango's FromParams found an option of the wrong type (with_lora's r: 2.5): every
             # worker would fail the same way, in a 134-line traceback.
             raise ConfigurationError(f"model: {typed}") from None
-        if init_on_meta:
-            # The workers build it this way too: each would fail the same way.
-            raise ConfigurationError(
-                "training_engine.init_on_meta: the model cannot be built with its parameters on the "
-                f"meta device: {_constructor_line(error)}{_first_line(error)}. Compute such values in "
-                "forward, or set training_engine.init_on_meta: false."
-            ) from None
+        if init_on_meta and isinstance(model, Lazy):
+            # Built as the workers build it (only the parameters on meta, not every tensor): a
+            # constructor that fails there fails in every worker, and is refused in one line.
+            check_init_on_meta(model)
         logger.debug("Skipping the model pre-flight check: it does not build on the meta device (%s)", error)
         return None
     require_parameters(built)
@@ -347,6 +345,14 @@ def check_no_meta_buffers(model: Any) -> None:
     is a meta tensor with no values, which materialising does not fill: every worker failed at
     the first forward ("Cannot copy out of meta tensor"). Refused, naming the buffers.
     """
+    lazy = [name for name, module in model.named_modules() if isinstance(module, LazyModuleMixin)]
+    if lazy:
+        # A lazy module (nn.LazyLinear) has no shape until its first forward: nothing to build on meta.
+        raise ConfigurationError(
+            f"training_engine.init_on_meta: model.{lazy[0]} is a lazy module, whose shape is known only "
+            "at the first forward: give it its input size (nn.Linear), or set training_engine.init_on_meta: "
+            "false."
+        )
     names = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if names:
         raise ConfigurationError(

@@ -83,6 +83,11 @@ class ReplacesWeights(Model):
             self.head = nn.utils.spectral_norm(self.head)
         elif how == "value_from_weight":
             self.scale = float(self.head.weight.detach().abs().max())
+        elif how == "lazy":
+            self.head = nn.Sequential(nn.LazyLinear(GPT2["vocab_size"]))
+        elif how == "random_value":
+            # Not from a weight: the workers' build (parameters on meta, nothing else) draws it.
+            self.scale = float(torch.rand(()))
         elif how == "buffer_from_weight":
             self.register_buffer("scale", self.head.weight.detach().norm(dim=1).clone())
         else:
@@ -139,6 +144,7 @@ CASES: Dict[str, Tuple[str, Any]] = {
     "meta-spectral-norm": ("train", _own_model("spectral_norm")),
     "meta-value-from-weight": ("train", _own_model("value_from_weight")),
     "meta-buffer-from-weight": ("train", _own_model("buffer_from_weight")),
+    "meta-lazy-module": ("train", _own_model("lazy")),
     "lora-rank-fraction": ("train", lambda c: _lora(c, r=2.5)),
     "lora-on-lora": ("train", lambda c: _lora(c, nested=True)),
     "merged-without-lora": (
@@ -201,3 +207,14 @@ def test_each_documented_refusal_is_the_line_it_quotes(case: str, line: str, pre
     message = _refusal(kind, change, pretrained)
     assert "\n" not in message, message
     assert line in message, f"{case}: {message}"
+
+
+def test_a_constructor_that_draws_a_number_is_not_refused(pretrained: Path) -> None:  # noqa: F811
+    """
+    Pre-flight's first build puts every tensor on meta, so ``float(torch.rand(()))`` fails there;
+    the workers' build under init_on_meta puts only the parameters there and draws it. Pre-flight
+    judges by the workers' build: refused only what they cannot build.
+    """
+    config = experiment(pretrained)
+    _own_model("random_value")(config)
+    run_preflight(config)
