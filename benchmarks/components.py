@@ -19,6 +19,7 @@ from tango.common.dataset_dict import DatasetDict
 from tango.integrations.torch import Model, TorchTrainingEngine, TrainCallback, TrainingEngine
 
 from benchmarks.common import state_bytes
+from tango_fairscale.compiling import stats as compiling_stats
 from tango_fairscale.cpu.timing import COLLECTIVES, NAMES, CollectiveTotals
 from tango_fairscale.devices import worker_computes_on_cpu
 from tango_fairscale.engine import FairScaleTrainingEngine
@@ -124,6 +125,8 @@ class Measure(TrainCallback):
             "parameters": sum(
                 getattr(p, "_local_tensor", p).numel() for p in self.training_engine.model.parameters()
             ),
+            # What compiling the units cost this worker (with_wrapped_modules.compile; zeros without).
+            "compile": compiling_stats().as_dict(),
         }
         if torch.cuda.is_available() and self.train_config.device_type == "cuda":
             record["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()

@@ -94,6 +94,29 @@ CONFIGS: Dict[str, Config] = {
         {"init_on_meta": True, "fsdp_config": {"move_params_to_cpu": True}},
         {"fsdp_config": {"move_params_to_cpu": True}},
     ),
+    # Each GPT2Block compiled (with_wrapped_modules.compile, inductor), beside the eager ones.
+    "fsdp_compiled": Config("fairscale", {"init_on_meta": True}, {"fsdp_config": {}, "compile": True}),
+    # fsdp_compiled again, right after it: inductor's cache (TORCHINDUCTOR_CACHE_DIR, one per
+    # benchmark, empty at its start) holds the first run's kernels, as for a resumed run.
+    "fsdp_compiled_rerun": Config("fairscale", {"init_on_meta": True}, {"fsdp_config": {}, "compile": True}),
+    "fsdp_ckpt_compiled": Config(
+        "fairscale",
+        {"init_on_meta": True},
+        {"fsdp_config": {}, "activation_checkpointing": True, "compile": True},
+    ),
+    "fsdp2_compiled": Config(
+        "fairscale", {"backend": "torch", "init_on_meta": True}, {"fsdp_config": {}, "compile": True}
+    ),
+    "fsdp2_ckpt": Config(
+        "fairscale",
+        {"backend": "torch", "init_on_meta": True},
+        {"fsdp_config": {}, "activation_checkpointing": True},
+    ),
+    "fsdp2_ckpt_compiled": Config(
+        "fairscale",
+        {"backend": "torch", "init_on_meta": True},
+        {"fsdp_config": {}, "activation_checkpointing": True, "compile": True},
+    ),
     # PyTorch FSDP2 (fully_shard) through the engine's torch backend, with the same wrap plan.
     "fsdp2": Config("fairscale", {"backend": "torch", "init_on_meta": True}, {"fsdp_config": {}}),
     "fsdp2_eager_init": Config("fairscale", {"backend": "torch"}, {"fsdp_config": {}}),
@@ -216,6 +239,9 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": str(threads),
+        # One inductor cache per benchmark, empty at its start: the first compiled run pays the whole
+        # compile, fsdp_compiled_rerun what a rerun on this machine pays.
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch.parent / "inductor-cache"),
         **CONFIGS[name].env,
     }
     command = [
@@ -266,6 +292,9 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         # What the metrics log made of it in the run, against each worker's own measured peak.
         "metrics_log_mfu": statistics.median(line["mfu"] for line in training[args.warmup :] or training),
         "wall_time_s": wall,
+        # Seconds the slowest worker spent in the unit calls that compiled, and its graphs.
+        "compile_s": max(w.get("compile", {}).get("compile_s", 0.0) for w in workers),
+        "compiled_graphs": max(w.get("compile", {}).get("compiled_graphs", 0) for w in workers),
         "workers": workers,
     }
 
@@ -649,7 +678,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"state {mib(record['state_bytes_per_worker'])}, "
                 f"peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
                 f"step {record['step_time_s']:.3f} s, MFU {100 * mfu:.2f} % "
-                f"({record['wall_time_s']:.0f} s wall)",
+                f"({record['wall_time_s']:.0f} s wall"
+                + (
+                    f", compiling {record['compile_s']:.0f} s, {record['compiled_graphs']} graph(s))"
+                    if record["compiled_graphs"]
+                    else ")"
+                ),
                 flush=True,
             )
     finally:

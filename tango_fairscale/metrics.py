@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from tango.integrations.torch import TrainCallback
 
 from .callbacks import check_peak_tflops, check_whole_number
+from .compiling import stats as compiling_stats
 from .cpu.memory import malloc_advises_huge_pages
 from .cpu.threads import describe_threads
 from .telemetry.callback import TelemetryCallback
@@ -165,6 +166,7 @@ class MetricsLog(TelemetryCallback):
         self._described = False  # whether this run's run line was written
         self._infos: Dict[int, MeterInfo] = {}  # each worker's, from its first record of the run
         self._windows = RankWindows()  # each worker's figures since the previous line
+        self._compiled_graphs = 0  # this worker's compiled graphs at the previous line
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
@@ -219,6 +221,13 @@ class MetricsLog(TelemetryCallback):
             line[f"output_{key}" if key in RESERVED_FIELDS else key] = value
         line["lr"] = own.lr
         line.update(train_figures(records, list(self._windows.take().values())))
+        compiled = compiling_stats()
+        if compiled.graphs != self._compiled_graphs:
+            # The line of the step that compiled (with_wrapped_modules.compile): this worker's
+            # seconds in the calls that compiled, and its graphs so far (a recompile adds one).
+            self._compiled_graphs = compiled.graphs
+            line["compile_s"] = round(compiled.seconds, 3)
+            line["compiled_graphs"] = compiled.graphs
         line["time"] = time.time()
         self._append(line)
 

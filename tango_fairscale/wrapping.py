@@ -9,11 +9,12 @@ import difflib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Pattern, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Pattern, Sequence, Set, Tuple, Union
 
 import torch.nn as nn
 from tango.integrations.torch import Model
 
+from .compiling import CompileConfig, compile_config, innermost
 from .config import FSDPConfig
 from .errors import WrapConfigurationError
 from .registry import register_model_constructor
@@ -251,6 +252,14 @@ class WrapPlan:
     offload_activations: bool = False
     """Move the checkpointed modules' inputs to CPU memory until backward (fairscale backend only)."""
 
+    compile: Optional[CompileConfig] = None
+    """How the compiled modules are compiled (``with_wrapped_modules.compile``); ``None``: not compiled."""
+
+    @property
+    def compiled(self) -> Tuple[str, ...]:
+        """The selected modules compiled: the innermost ones (an outer one calls them as they are)."""
+        return tuple(innermost(list(self.selected))) if self.compile is not None else ()
+
     @classmethod
     def build(
         cls,
@@ -263,6 +272,7 @@ class WrapPlan:
         fsdp: bool = True,
         unit_config: Optional[FSDPConfig] = None,
         offload_activations: bool = False,
+        compile: Optional[CompileConfig] = None,
     ) -> "WrapPlan":
         """Select the submodules of ``model`` (see :func:`plan_wrapping`); ``model`` is not changed."""
         selected = plan_wrapping(
@@ -275,6 +285,7 @@ class WrapPlan:
             fsdp=fsdp,
             unit_config=unit_config,
             offload_activations=offload_activations,
+            compile=compile,
         )
 
     @classmethod
@@ -331,6 +342,7 @@ def with_wrapped_modules(
     wrap_module_classes: Optional[List[str]] = None,
     min_num_params: Optional[int] = None,
     offload_activations: bool = False,
+    compile: Union[bool, CompileConfig] = False,
 ) -> Model:
     """
     Select submodules of ``model`` to become FSDP units and/or to be checkpointed, and record
@@ -373,6 +385,11 @@ def with_wrapped_modules(
     :param offload_activations:
         With ``activation_checkpointing``, also move the checkpointed blocks' inputs to CPU
         memory until backward. Saves GPU memory, costs transfers; no effect on CPU workers.
+    :param compile:
+        ``torch.compile`` each selected module's own ``forward`` (the innermost ones), before it is
+        checkpointed and sharded: ``true`` for the defaults, or a dict of
+        :class:`~tango_fairscale.compiling.CompileConfig` (``fullgraph``, ``dynamic``, ``mode``,
+        ``backend``, ``fallback_to_eager``). Blocks of one class compile once (docs/performance.md).
     """
     if not modules_to_wrap and not wrap_module_classes and min_num_params is None:
         raise WrapConfigurationError(
@@ -394,6 +411,7 @@ def with_wrapped_modules(
         fsdp=fsdp_config is not None,
         unit_config=fsdp_config,
         offload_activations=offload_activations,
+        compile=compile_config(compile),
     )
     if plan.fsdp:
         plan.check_shared_parameters(model)

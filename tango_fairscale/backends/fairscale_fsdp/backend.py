@@ -23,6 +23,7 @@ from ...checkpointing import pretrained_base
 from ...checkpointing.commit import Digests, commit
 from ...checkpointing.compatible import check_same_optimizer
 from ...checkpointing.streaming import stream_save
+from ...compiling import compile_unit
 from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
 from ...errors import WrapConfigurationError
@@ -454,6 +455,8 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
             )
         if name in plan.checkpointed:
             module = checkpoint_wrapper(module, offload_to_cpu=plan.offload_activations)
+        if plan.compile is not None and name in plan.compiled:
+            compile_unit(module, plan.compile, name)
         if name in units:
             module = wrap(unit_config, module)
         replace_submodule(model, name, module)

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from ... import compat
+from ...compiling import compile_unit
 from ...config import FSDPConfig, parse_dtype
 from ...devices import worker_computes_on_cpu
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
@@ -420,6 +421,8 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh:
             if name in plan.checkpointed:
                 module = checkpointed(module, on_cpu)
                 replace_submodule(model, name, module)
+            if plan.compile is not None and name in plan.compiled:
+                compile_unit(module, plan.compile, name)
             if name in units:
                 _shard(module, unit_config, mesh, root=False, name=name, unit_buffers=unit_buffers)
         if has_meta_parameters(model):

@@ -1,0 +1,146 @@
+"""
+Compiled units (``with_wrapped_modules.compile``): in float32 a compiled run ends within 1e-5 of
+the eager run on both backends, with activation checkpointing and with LoRA; blocks of one class
+compile once; a unit that cannot be compiled stops the run in one line naming it, or runs eagerly
+where the config asks for that.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+from torch import nn
+
+from tango_fairscale.compiling import CompileConfig, compile_config, compile_unit, innermost, stats
+from tests import harness
+from tests.helpers import max_abs_difference, toy_model, train_config
+from tests.test_lora import pretrained  # noqa: F401 - a fixture
+
+TOLERANCE = 1e-5
+
+
+def _compile_stats(worker: harness.Worker) -> Dict[str, Any]:
+    return stats().as_dict()
+
+
+BACKENDS = ["fairscale", "torch"]
+
+
+def _experiment(backend: str, wrap: str, compile: Any) -> Dict[str, Any]:
+    config = train_config(
+        wrap=wrap,
+        train_steps=4,
+        checkpoint_every=4,
+        engine_extra={"backend": backend},
+        callbacks=[],
+        model=toy_model(num_blocks=3, width=16),
+    )
+    if compile is not None:
+        config["steps"]["train"]["model"]["compile"] = compile
+    return config
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wrap", ["nested", "nested_ckpt"])
+def test_a_compiled_run_ends_as_the_eager_one(backend: str, wrap: str, tmp_path: Path) -> None:
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    results = harness.run(
+        [
+            harness.Train(_experiment(backend, wrap, None), eager),
+            harness.Call(_compile_stats),
+            harness.Train(_experiment(backend, wrap, True), compiled),
+            harness.Call(_compile_stats),
+        ],
+        out=tmp_path / "harness",
+    )
+    for result in results:
+        result.check()
+    eager_stats, compiled_stats = (results[i].workers[0].value for i in (1, 3))
+    assert eager_stats["compiled_graphs"] == 0, eager_stats
+    # The three blocks share one graph (a checkpointed one a second, for its recomputation with
+    # gradients); none runs eagerly.
+    assert 1 <= compiled_stats["compiled_graphs"] <= (2 if wrap == "nested_ckpt" else 1), compiled_stats
+    assert compiled_stats["compile_s"] > 0 and compiled_stats["eager_units"] == [], compiled_stats
+    # The metrics log says so on the line of the step that compiled: the second (the first runs
+    # eagerly under the FLOP count), and only there.
+    compiled_lines = [
+        line
+        for line in map(json.loads, (compiled / "metrics.jsonl").read_text().splitlines())
+        if "compile_s" in line
+    ]
+    assert [line["step"] for line in compiled_lines][:1] == [2], compiled_lines
+    assert compiled_lines[-1]["compiled_graphs"] == compiled_stats["compiled_graphs"], compiled_lines
+    assert "compile_s" not in (eager / "metrics.jsonl").read_text()
+    a = torch.load(eager / "weights.pt", weights_only=True)
+    b = torch.load(compiled / "weights.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    difference = max_abs_difference(a, b)
+    assert difference <= TOLERANCE, difference
+
+
+def test_the_options_are_checked_and_a_unit_that_cannot_compile_is_one_line_or_eager() -> None:
+    from tango.common.exceptions import ConfigurationError
+
+    assert compile_config(False) is None and compile_config(True) == CompileConfig()
+    with pytest.raises(ConfigurationError, match="compile.fulgraph: not an option: did you mean 'fullgraph'"):
+        compile_config({"fulgraph": True})
+    with pytest.raises(ConfigurationError, match="compile.mode: 'fastest' is not one of"):
+        compile_config({"mode": "fastest"})
+    assert innermost(["a.b", "a", "c"]) == ["a.b", "c"]
+
+    class Breaks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch._dynamo.graph_break()
+            return self.linear(x)
+
+    x = torch.randn(2, 4)
+    strict = Breaks()
+    expected = strict(x)
+    compile_unit(strict, CompileConfig(fullgraph=True, backend="eager"), "blocks.0")
+    with pytest.raises(ConfigurationError) as raised:
+        strict(x)
+    assert str(raised.value).startswith(
+        "with_wrapped_modules.compile: unit blocks.0 (Breaks) cannot be compiled: "
+    ) and "\n" not in str(raised.value), str(raised.value)
+    lenient = Breaks()
+    lenient.load_state_dict(strict.state_dict())
+    compile_unit(lenient, CompileConfig(fullgraph=True, backend="eager", fallback_to_eager=True), "blocks.1")
+    assert torch.equal(lenient(x), expected) and torch.equal(lenient(x), expected)
+    assert stats().fallbacks[-1:] == ["blocks.1"]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_lora_run_with_checkpointing_ends_as_the_eager_one(
+    backend: str,
+    pretrained: Path,  # noqa: F811 - tests.test_lora's fixture
+    tmp_path: Path,
+) -> None:
+    """LoRA (frozen and trainable parameters in one unit), init_on_meta, activation checkpointing."""
+    from tests.test_lora import experiment as lora_experiment
+
+    eager = lora_experiment(pretrained, backend, True, 0.01, 3, checkpointing=True)
+    compiled = lora_experiment(pretrained, backend, True, 0.01, 3, checkpointing=True)
+    compiled["steps"]["train"]["model"]["compile"] = True
+    results = harness.run(
+        [
+            harness.Train(eager, tmp_path / "eager"),
+            harness.Train(compiled, tmp_path / "compiled"),
+            harness.Call(_compile_stats),
+        ],
+        out=tmp_path / "harness",
+        timeout=900,
+    )
+    for result in results:
+        result.check()
+    assert results[2].workers[0].value["compiled_graphs"] >= 1, results[2].workers[0].value
+    a = torch.load(tmp_path / "eager" / "weights.pt", weights_only=True)
+    b = torch.load(tmp_path / "compiled" / "weights.pt", weights_only=True)
+    difference = max_abs_difference(a, b)
+    assert difference <= TOLERANCE, difference
