@@ -122,12 +122,12 @@ def consolidate_hf(
     adapter = (checkpointing.read_marker(checkpoint_dir) or {}).get(ADAPTER_FIELD)
     if merge and adapter is None:
         raise UsageError(f"--merge is for the checkpoint of a peft model; {checkpoint_dir} is not one")
-    if adapter is not None:
-        _consolidate_adapter(
-            source, output, config, adapter, Path(hf_config), merge, work_dir, checkpoint_dir
-        )
-        return
     try:
+        if adapter is not None:
+            _consolidate_adapter(
+                source, output, config, adapter, Path(hf_config), merge, work_dir, checkpoint_dir
+            )
+            return
         export_hf(
             source,
             output,
@@ -138,6 +138,15 @@ def consolidate_hf(
         )
     except OSError as error:
         raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
+    except Exception as error:  # noqa: BLE001 - a base of another model: peft's or the export's words, one line
+        mismatch = type(error).__module__.startswith("peft") or "not of this model class" in str(error)
+        if not mismatch:
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UsageError(
+            f"--hf-config {hf_config} is not the model the checkpoint trained ({type(error).__name__}: "
+            f"{first}): give the directory of its base model's config.json"
+        ) from None
     print(f"Wrote {output} (from_pretrained loads it)")
 
 

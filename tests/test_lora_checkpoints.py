@@ -307,3 +307,18 @@ def test_a_marker_whose_model_records_were_removed_or_edited_is_refused_in_one_l
             )
             assert status == 2 and err.startswith(expected) and err.count("\n") == 1, err
             assert "Traceback" not in err
+    # The intact checkpoint with --hf-config of another model (a GPT-2 for the Llama's adapters):
+    # peft's NoMatchingPeftModuleError was a 29-line traceback.
+    from transformers import GPT2Config
+
+    other = tmp_path / "other-model"
+    GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=16, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(other)
+    status = cli.main(
+        ["consolidate", str(saved), str(tmp_path / "other-hf"), "--format", "hf", "--hf-config", str(other)]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: --hf-config {other} is not the model the checkpoint trained ("), err
+    assert not (tmp_path / "other-hf").exists()
