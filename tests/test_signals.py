@@ -379,3 +379,45 @@ def test_a_workers_death_names_the_likely_cause_of_its_signal_or_its_exit_status
     assert str(worker_died(exited, 1, resume)).startswith(
         "Worker 1 (pid 43) exited with status 3 without raising an error (a library called exit). Rerun "
     )
+
+
+def test_a_signal_that_lands_while_a_record_is_written_is_still_one_line(
+    capfd: pytest.CaptureFixture,
+) -> None:
+    """
+    The signal can land while Tango's rich console is flushing a log record: logging the stop
+    line from the handler then re-entered the console and printed "--- Logging error ---" with a
+    traceback (seen once in make test). Inside a logging call the line goes to standard error
+    directly, in the log's shape; elsewhere it is logged.
+    """
+    import logging
+    import sys
+
+    from tango_fairscale.launch import signals
+
+    frames = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            frames.append(sys._getframe())
+
+    probe = logging.getLogger("tango_fairscale.test.reentry")
+    probe.addHandler(Capture())
+    probe.propagate = False
+    probe.error("a record")
+    assert signals._in_logging(frames[0]) and not signals._in_logging(sys._getframe())
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    signals.logger.addHandler(handler)
+    try:
+        stopped = signals._log_stopped(signal.SIGINT, "no worker running", "rerun it", frames[0])
+    finally:
+        signals.logger.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert stopped.code == 130 and records == [], records
+    (line,) = [line for line in err.splitlines() if " ERROR " in line]
+    assert line.split(" ERROR ", 1)[1].strip() == (
+        "Stopped by SIGINT (Ctrl-C): no worker running, no checkpoint written for the interruption; "
+        "rerun it (exit status 130)."
+    ), err

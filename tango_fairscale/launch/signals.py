@@ -73,20 +73,35 @@ def _handler_to_restore(sig: int, handler: Any) -> Any:
     return _before_run_handlers.get(sig, handler) if handler is _stop_run else handler
 
 
-def _log_stopped(signum: int, workers: str, resume: str) -> TrainingStopped:
+def _in_logging(frame: Any) -> bool:
+    """Whether the interrupted code is inside a logging call (a handler writing a record)."""
+    while frame is not None:
+        if frame.f_code.co_filename in (
+            logging.__file__,
+            getattr(sys.modules.get("rich.console"), "__file__", ""),
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _log_stopped(signum: int, workers: str, resume: str, frame: Any = None) -> TrainingStopped:
     """Log the one line of a run stopped by ``signum``; the exception that ends it."""
     stopped = TrainingStopped(signum)
     if sys.stderr is not None and sys.stderr.isatty():
         # Worker 0's progress bar, cut off mid-line: the line below starts on a line of its own.
         sys.stderr.write("\n")
-    logger.error(
-        "Stopped by %s%s: %s, no checkpoint written for the interruption; %s (exit status %d).",
-        signal.Signals(signum).name,
-        " (Ctrl-C)" if signum == signal.SIGINT else "",
-        workers,
-        resume,
-        stopped.code,
+    message = (
+        f"Stopped by {signal.Signals(signum).name}{' (Ctrl-C)' if signum == signal.SIGINT else ''}: "
+        f"{workers}, no checkpoint written for the interruption; {resume} (exit status {stopped.code})."
     )
+    if _in_logging(frame):
+        # The signal landed while a handler was writing a record (Tango's rich console, mid-flush):
+        # logging again from here re-enters it and prints "--- Logging error ---" with a traceback.
+        # The line goes straight to standard error, in the log's own shape.
+        os.write(2, f"[{time.strftime('%m/%d/%y %H:%M:%S')}] ERROR    {message}\n".encode())
+    else:
+        logger.error("%s", message)
     for hook in STOPPED_HOOKS:
         hook(stopped)
     return stopped
@@ -101,6 +116,7 @@ def _stop_run(signum: int, frame: Any) -> None:
         signum,
         f"{count} worker(s) stopped" if count else "no worker running",
         "rerun the same tango run command to go on from the steps it finished (they are in the workspace)",
+        frame,
     )
 
 
@@ -145,7 +161,7 @@ def stop_workers_on_signals(
             signal.signal(sig, _handler_to_restore(sig, handler))
         count = terminate_workers(grace)
         raise _log_stopped(
-            signum, f"{count} worker(s) stopped" if count else "no worker running yet", resume_hint()
+            signum, f"{count} worker(s) stopped" if count else "no worker running yet", resume_hint(), frame
         )
 
     for sig in STOP_SIGNALS:
