@@ -35,6 +35,7 @@ import gc
 import itertools
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -182,6 +183,24 @@ def run(
             workers.append(torch.load(path, weights_only=False) if path.exists() else None)
         results.append(JobResult(workers, exitcodes))
     return results
+
+
+def killed_and_rerun(plain: Dict[str, Train], killed: Dict[str, Train], out: Path) -> Dict[str, JobResult]:
+    """
+    Each backend's uninterrupted job (``plain``) and its job killed by SIGKILL after a checkpoint
+    (``killed``, whose config kills its workers), then the rerun of each killed job: a killed job
+    ends its workers, so each later start of the workers reruns it first. Checks that every job
+    ended as it should, the killed ones by SIGKILL on both workers; returns each backend's rerun.
+    """
+    first = run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=out / "first")
+    second = run([killed["fairscale"], killed["torch"]], out=out / "second")
+    (third,) = run([killed["torch"]], out=out / "third")
+    for result in (*first[:2], second[0]):
+        result.check(exited=False)
+    third.check()
+    for result in (first[2], second[1]):
+        assert result.exitcodes == [-signal.SIGKILL] * 2, result.describe()
+    return {"fairscale": second[0], "torch": third}
 
 
 def train(experiment: Experiment, work_dir: Path, world_size: int = 2, **kwargs: Any) -> JobResult:

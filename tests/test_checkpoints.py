@@ -509,18 +509,12 @@ def test_batchnorm_killed_after_a_checkpoint_and_rerun_keeps_every_workers_runni
     killed = {
         b: harness.Train(batchnorm_experiment(b, kill_at=3), tmp_path / f"{b}-killed") for b in BACKENDS
     }
-    # A killed job ends its workers: each starts the next run of jobs, which reruns it first.
-    first = harness.run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=tmp_path / "first")
-    second = harness.run([killed["fairscale"], killed["torch"]], out=tmp_path / "second")
-    (third,) = harness.run([killed["torch"]], out=tmp_path / "third")
-    for result in (*first[:2], second[0]):
-        result.check(exited=False)
-    third.check()
+    reruns = harness.killed_and_rerun(plain, killed, tmp_path)
     for backend in BACKENDS:
         uninterrupted, resumed = plain[backend].work_dir, killed[backend].work_dir
         assert (
             "Recovering from previous run at " + str(resumed / "checkpoint_state_step2")
-            in (second[0] if backend == "fairscale" else third).logs
+            in reruns[backend].logs
         )
         losses = {"uninterrupted": validation_losses(uninterrupted), "resumed": validation_losses(resumed)}
         print(f"[{backend}] validation losses by step: {losses}")

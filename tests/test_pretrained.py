@@ -8,7 +8,6 @@ checkpoint and rerun ends as the uninterrupted run. In the test's own workers (:
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -549,16 +548,8 @@ def test_killed_after_a_checkpoint_and_rerun_ends_as_the_uninterrupted_run(
     killed = {
         b: harness.Train(dropout_experiment(pretrained, b, True), tmp_path / f"{b}-killed") for b in BACKENDS
     }
-    # A killed job ends its workers: each starts the next run of jobs, which reruns it first.
-    first = harness.run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=tmp_path / "first")
-    second = harness.run([killed["fairscale"], killed["torch"]], out=tmp_path / "second")
-    (third,) = harness.run([killed["torch"]], out=tmp_path / "third")
-    for result in (*first[:2], second[0]):
-        result.check(exited=False)
-    third.check()
-    for result in (first[2], second[1]):
-        assert result.exitcodes == [-signal.SIGKILL] * 2, result.describe()
-    for backend, rerun in (("fairscale", second[0]), ("torch", third)):
+    reruns = harness.killed_and_rerun(plain, killed, tmp_path)
+    for backend, rerun in reruns.items():
         work_dir = killed[backend].work_dir
         assert "Recovering from previous run at " + str(work_dir / "checkpoint_state_step2") in rerun.logs
         uninterrupted = torch.load(plain[backend].work_dir / "weights.pt", weights_only=True)

@@ -7,7 +7,6 @@ exactly after a kill.
 """
 
 import random
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -475,16 +474,8 @@ def test_training_on_the_blocks_resumes_exactly_with_either_backend(
         b: harness.Train(lm_experiment(book, tokenizer_dir, len(tok), b, True), tmp_path / f"{b}-killed")
         for b in backends
     }
-    # A killed job ends its workers: each later start of the workers reruns it first.
-    first = harness.run([plain["fairscale"], plain["torch"], killed["fairscale"]], out=tmp_path / "first")
-    second = harness.run([killed["fairscale"], killed["torch"]], out=tmp_path / "second")
-    (third,) = harness.run([killed["torch"]], out=tmp_path / "third")
-    for result in (*first[:2], second[0]):
-        result.check(exited=False)
-    third.check()
-    for result in (first[2], second[1]):
-        assert result.exitcodes == [-signal.SIGKILL] * 2, result.describe()
-    for backend, rerun in (("fairscale", second[0]), ("torch", third)):
+    reruns = harness.killed_and_rerun(plain, killed, tmp_path)
+    for backend, rerun in reruns.items():
         work_dir = killed[backend].work_dir
         assert (
             f"Recovering from previous run at {work_dir / f'checkpoint_state_step{KILL_AFTER}'}" in rerun.logs
