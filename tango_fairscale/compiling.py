@@ -21,6 +21,8 @@ from tango.common.exceptions import ConfigurationError
 from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from .errors import did_you_mean
+
 __all__ = ["COMPILE_MODES", "CompileConfig", "CompileStats", "compile_config", "compile_unit", "stats"]
 
 logger = logging.getLogger(__name__)
@@ -84,10 +86,7 @@ def compile_config(value: Union[None, bool, Dict[str, Any], CompileConfig]) -> O
         known = set(CompileConfig.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:
-            import difflib
-
-            nearest = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-            hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {sorted(known)}"
+            hint = did_you_mean(unknown[0], sorted(known)) or f"its options are {sorted(known)}"
             raise ConfigurationError(f"with_wrapped_modules.compile.{unknown[0]}: not an option: {hint}")
         return CompileConfig(**value)
     raise ConfigurationError(

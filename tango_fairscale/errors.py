@@ -1,6 +1,7 @@
 """Exceptions of tango-fairscale."""
 
-from typing import Optional
+import difflib
+from typing import Iterable, Optional
 
 from tango.common.exceptions import CliRunError, ConfigurationError, TangoError
 
@@ -34,6 +35,12 @@ class Refused(CliRunError):
     ``Type: message``: Tango prints a ``CliRunError`` as its message alone, where it printed
     these inside 25-47 lines of "Uncaught exception" (``--log-level debug`` logs the original).
     """
+
+
+def did_you_mean(key: str, options: Iterable[str]) -> Optional[str]:
+    """ "did you mean 'X'?" for the option nearest a misspelt ``key``; ``None`` when none is near."""
+    nearest = difflib.get_close_matches(key, list(options), n=1)
+    return f"did you mean {nearest[0]!r}?" if nearest else None
 
 
 #: How a worker's traceback, quoted by ``torch.multiprocessing``, ends for a :class:`CheckpointError`.

@@ -16,7 +16,6 @@ It runs from the step patch T1 of :mod:`tango_fairscale.compat`, for steps whose
 shared with the engine.
 """
 
-import difflib
 import inspect
 import logging
 import math
@@ -40,6 +39,7 @@ from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
 from .data_fit import check_data_fits_model
 from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine, _no_hf_model_error
+from .errors import did_you_mean
 from .hf_export import hf_model_in
 from .lora import check_peft_method
 from .materialize import check_initialisable, parameters_on_meta
@@ -436,8 +436,7 @@ def check_engine_keys(training_engine: Any) -> None:
 
 def _not_an_option(field: str, owner: str, key: str, options: List[str]) -> ConfigurationError:
     """The error for ``key`` at ``field``, not one of ``owner``'s ``options``: the nearest one, or all."""
-    nearest = difflib.get_close_matches(key, options, n=1)
-    hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {sorted(options)}."
+    hint = did_you_mean(key, options) or f"its options are {sorted(options)}."
     return ConfigurationError(f"{field}: not an option of {owner}: {hint}")
 
 

@@ -20,7 +20,6 @@ and the like, or a model constructor of the user's that calls it) loads the same
 """
 
 import copy
-import difflib
 import os
 import re
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
+from .errors import did_you_mean
 from .materialize import building_on_meta, mark_pretrained, not_recorded
 from .registry import register_model_constructor
 
@@ -217,8 +217,7 @@ def check_config_overrides(config: Any, overrides: Mapping[str, Any], where: str
     for key in overrides:
         if key in fields or key in _CONFIG_ARGUMENTS:
             continue
-        nearest = difflib.get_close_matches(str(key), fields, n=1)
-        hint = f"did you mean {nearest[0]!r}?" if nearest else f"use a field of {where}."
+        hint = did_you_mean(str(key), fields) or f"use a field of {where}."
         raise ConfigurationError(
             f"fairscale::from_pretrained: config_overrides.{key} is not a field of {type(config).__name__} "
             f"({where}), so it would change nothing: {hint}"

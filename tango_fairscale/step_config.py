@@ -5,7 +5,6 @@ One line for a mistake in the config of one of this package's steps (``fairscale
 machinery inside a 38-42-line traceback; patch T8 of :mod:`tango_fairscale.compat` routes them here.
 """
 
-import difflib
 import inspect
 import re
 from typing import Any, Iterable, List, Optional
@@ -13,7 +12,7 @@ from typing import Any, Iterable, List, Optional
 from tango.common.exceptions import ConfigurationError
 from tango.step import Step
 
-from .errors import Refused
+from .errors import Refused, did_you_mean
 
 __all__ = ["PREFIX", "step_config_error", "wrong_type"]
 
@@ -73,8 +72,7 @@ def step_config_error(type_name: Any, keys: Iterable[str], error: BaseException)
     unknown = [key for key in keys if key != "type" and key not in options]
     if unknown:
         key = unknown[0]
-        nearest = difflib.get_close_matches(key, options, n=1)
-        hint = f"did you mean {nearest[0]!r}?" if nearest else f"its options are {', '.join(sorted(options))}"
+        hint = did_you_mean(key, options) or f"its options are {', '.join(sorted(options))}"
         return Refused(f"ConfigurationError: {type_name}: {key} is not one of its options: {hint}")
     text = str(error).strip()
     typed = wrong_type(error)
