@@ -398,3 +398,34 @@ def build_both(
     materialize(built)
     assert torch.equal(torch.random.get_rng_state(), after_eager)
     return eager, built
+
+
+def peak_allocated_bytes(profiled: Any, within: Optional[List[Tuple[int, int]]] = None) -> int:
+    """
+    The most CPU tensor memory allocated during a profiled span that was alive at once, above the
+    span's start: the allocator's records in time order, each free counted only where the span
+    allocated that block. The profiler's table of block sizes outlives a span, so a block that
+    was allocated before it at an address an earlier span used shows up as a free of the old
+    size; counting it would lower the peak by a block that has nothing to do with the span.
+    ``within``: (start, end) times in ns; only moments inside one of them can be the peak.
+    """
+    from torch._C._profiler import _EventType
+
+    records: List[Tuple[int, int, int]] = []
+    nodes = list(profiled.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            records.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    live: Dict[int, int] = {}
+    alive = peak = 0
+    for at, ptr, size in sorted(records):
+        if size > 0:
+            live[ptr] = size
+            alive += size
+        elif ptr in live:
+            alive -= live.pop(ptr)
+        if within is None or any(start <= at <= end for start, end in within):
+            peak = max(peak, alive)
+    return peak

@@ -459,7 +459,7 @@ def test_canary_F9_the_bucket_is_filled_from_a_stacked_copy(cpu_fsdp: None, one_
     from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
     from torch.profiler import ProfilerActivity, profile
 
-    from tests.test_fairscale_backward_memory import backward_peak_bytes
+    from tests.helpers import peak_allocated_bytes
 
     method = ReduceScatterBucketer.reduce_scatter_async
     assert getattr(method, "__tango_fairscale_patch__", None) == "F9"
@@ -473,7 +473,7 @@ def test_canary_F9_the_bucket_is_filled_from_a_stacked_copy(cpu_fsdp: None, one_
             warnings.filterwarnings("ignore", message=".*Profiler clears events")  # torch 2.11's
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
                 fairscales(bucketer, [gradient], dist.group.WORLD, results.append)
-        peak = backward_peak_bytes(profiled)
+        peak = peak_allocated_bytes(profiled)
     bucketer.flush()
     assert len(results) == 2 and all(torch.equal(r, gradient) for r in results)
     if peak < gradient.numel() * gradient.element_size():

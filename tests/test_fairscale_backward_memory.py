@@ -18,13 +18,12 @@ import torch
 from tango.common import Lazy, Params
 from tango.integrations.torch import Model
 from tango.integrations.torch.util import set_seed_all
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tango_fairscale.backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
 from tango_fairscale.backends.fairscale_fsdp.flat_groups import FlattenTrainableApart
 from tests import harness
-from tests.helpers import TINY_LLAMA, save_tiny_llama, train_config
+from tests.helpers import TINY_LLAMA, peak_allocated_bytes, save_tiny_llama, train_config
 
 WIDTH, BLOCKS, STEPS = 1024, 3, 3
 #: One unit's flat parameter, gathered: the block's Linear (WIDTH^2 + WIDTH) and LayerNorm (2 WIDTH).
@@ -42,20 +41,6 @@ def experiment() -> Dict[str, Any]:
     )
     config["steps"]["data"] = {"type": "test::token_data", "vocab_size": 64, "length": 8}
     return config
-
-
-def backward_peak_bytes(profiled: profile) -> int:
-    """
-    The most CPU tensor memory allocated at once during the profiled span, above its start: the
-    allocator's records in time order (an operator's own event only adds up those of its calls).
-    """
-    records = [e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for record in sorted(records, key=lambda e: e.start_ns()):
-        if record.device_type() == DeviceType.CPU:
-            live += record.nbytes()
-            peak = max(peak, live)
-    return peak
 
 
 def train_fsdp(worker: harness.Worker, work_dir: Path, early: bool) -> Dict[str, Any]:
@@ -83,7 +68,7 @@ def profiled_steps(worker: harness.Worker, engine: Any, config: Dict[str, Any], 
         loss, _ = engine.forward_train(micro_batch, 0, 1)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
             engine.backward(loss)
-        peaks.append(backward_peak_bytes(profiled))
+        peaks.append(peak_allocated_bytes(profiled))
         engine.step()
         losses.append(loss.item())
     shards = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
@@ -154,7 +139,7 @@ def fill_bucket(worker: harness.Worker, with_f9: bool) -> Dict[str, Any]:
         gradient = torch.arange(2 * 2**18, dtype=torch.float32) * (worker.rank + 1) + index
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
             call(bucketer, list(gradient.chunk(2)), dist.group.WORLD, results.append)
-        peak = backward_peak_bytes(profiled)
+        peak = peak_allocated_bytes(profiled)
     bucketer.flush()
     return {"sums": [r.clone() for r in results], "peak": peak}
 

@@ -23,7 +23,7 @@ from tango.integrations.torch.util import set_seed_all
 
 from tango_fairscale.plan import make_plan, parse_memory, render
 from tests import harness
-from tests.helpers import tango_env, train_config
+from tests.helpers import peak_allocated_bytes, tango_env, train_config
 
 
 def run_plan(config: Dict[str, Any], tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -290,14 +290,8 @@ def measure_peak(
     if not profiled:
         return resident
     events = profiler.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     steps_at = [(e.start_ns(), e.end_ns()) for e in events if e.name() == "train_step"]
-    live = peak = 0
-    for at, size in memory:
-        live += size
-        if any(start <= at <= end for start, end in steps_at):
-            peak = max(peak, live)
-    return peak
+    return peak_allocated_bytes(profiler, within=steps_at)
 
 
 def compare_peaks(
