@@ -1097,7 +1097,7 @@ def save_pretrained_llama(directory: Path, shape: Dict[str, int], depth: int, se
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tango_fairscale.hf_export import hf_state_names, write_safetensors
+    from tango_fairscale.finetune.hf_export import hf_state_names, write_safetensors
 
     config = LlamaConfig(**llama_config_fields(shape, depth))
     names, _ = hf_state_names(LlamaForCausalLM, config)

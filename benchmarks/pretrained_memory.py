@@ -60,7 +60,7 @@ def make_model(shape: Dict[str, int], directory: Path) -> Dict[str, Any]:
     A GPT-2 of ``shape`` with random weights (seed 0), saved with ``save_pretrained`` in
     ``directory`` unless a model of that shape is there already. Returns its size.
     """
-    from tango_fairscale.pretrained import SAFETENSORS_FILE, read_header
+    from tango_fairscale.finetune.pretrained import SAFETENSORS_FILE, read_header
 
     config_file = directory / "config.json"
     existing = json.loads(config_file.read_text()) if config_file.is_file() else {}

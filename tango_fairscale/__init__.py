@@ -23,19 +23,19 @@ under ``include_package`` in ``tango.yml``.
 """
 
 from . import checkpointing, compat, launch, train_step
-from .callbacks import MemoryCallback, RestoreRandomState
 from .config import FSDPConfig
 from .engine import FairScaleTrainingEngine
 from .errors import CheckpointError, WrapConfigurationError
-from .evaluate import Evaluate
-from .loggers import ProfileCallback, TensorBoardLogger, WandbLogger
-from .lora import LoraOptions, with_lora
+from .finetune.evaluate import Evaluate
+from .finetune.lora import LoraOptions, with_lora
+from .finetune.pretrained import from_pretrained, load_on_meta
+from .finetune.text_data import TokenBlocks, TokenizeText
+from .finetune.validate_first import ValidateFirst
 from .materialize import building_on_meta
-from .metrics import MetricsLog
-from .pretrained import from_pretrained, load_on_meta
 from .step_config import step_config_error
-from .text_data import TokenBlocks, TokenizeText
-from .validate_first import ValidateFirst
+from .telemetry.callbacks import MemoryCallback, RestoreRandomState
+from .telemetry.loggers import ProfileCallback, TensorBoardLogger, WandbLogger
+from .telemetry.metrics import MetricsLog
 from .version import VERSION as __version__
 from .wrapping import WrapPlan, plan_wrapping, with_wrapped_modules
 

@@ -28,15 +28,15 @@ from tango.integrations.torch import (
 )
 from tango.integrations.torch.util import move_to_device
 
-from . import compat, resume
+from . import compat
 from .backends.base import BackendContext, LoadedCheckpoint
 from .backends.lookup import backend_class
-from .checkpointing import random_state
+from .checkpointing import random_state, resume
 from .config import FSDPConfig
 from .cpu.memory import limit_cpu_heap_growth, long_lived_allocations
 from .cpu.threads import apply_threads, choose_threads
 from .devices import devices_are_cpu, worker_computes_on_cpu
-from .hf_export import (
+from .finetune.hf_export import (
     export_hf,
     export_merged_adapter,
     export_peft_adapter,
@@ -44,8 +44,8 @@ from .hf_export import (
     source_directory,
     weights_file,
 )
+from .finetune.lora import peft_model_in
 from .launch import HostWorld
-from .lora import peft_model_in
 from .options import EngineOptions, amp_dtype
 from .output_paths import export_hf_path
 from .registry import register_training_engine
@@ -408,7 +408,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         Give back what the engine set for the whole process: the malloc threshold of CPU workers
         (:func:`~tango_fairscale.cpu.memory.limit_cpu_heap_growth`, restored as far as glibc
         allows). Idempotent; also done when the engine is collected. Tango's worker never calls
-        it: a spawned worker ends with the process (:mod:`tango_fairscale.teardown`).
+        it: a spawned worker ends with the process (:mod:`tango_fairscale.launch.teardown`).
         """
         self._process_settings.close()
 

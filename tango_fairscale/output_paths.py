@@ -70,7 +70,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "spiece.model",
 )
-#: What an export writes (:mod:`tango_fairscale.hf_export`): an interrupted export's temporary
+#: What an export writes (:mod:`tango_fairscale.finetune.hf_export`): an interrupted export's temporary
 #: directory holds nothing else.
 _EXPORT_FILE = re.compile(
     "|".join(

@@ -8,7 +8,7 @@ config alone is therefore checked here, once, with a :class:`ConfigurationError`
 the field: the engine's and the wrapper's options, the number of workers, the data sampler,
 the splits, the resume point against ``train_steps``, the callbacks' options (by each callback's
 own ``check_options``), a ``fairscale::from_pretrained`` model's inputs (by
-:func:`~tango_fairscale.pretrained.check_pretrained`), and the wrap patterns (the model is built
+:func:`~tango_fairscale.finetune.pretrained.check_pretrained`), and the wrap patterns (the model is built
 on the ``meta`` device, which allocates no memory).
 
 It runs from the step patch T1 of :mod:`tango_fairscale.compat`, for steps whose engine is
@@ -34,19 +34,19 @@ from torch.utils.data import DistributedSampler, IterableDataset
 
 from . import checkpointing
 from .backends.lookup import DEFAULT_BACKEND, backend_class, check_written_by
+from .checkpointing.resume import check_within_run
 from .config import FSDPConfig
 from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
-from .data_fit import check_data_fits_model
 from .devices import devices_are_cpu
 from .engine import FairScaleTrainingEngine, _no_hf_model_error
 from .errors import did_you_mean
-from .hf_export import hf_model_in
-from .lora import check_peft_method
+from .finetune.data_fit import check_data_fits_model
+from .finetune.hf_export import hf_model_in
+from .finetune.lora import check_peft_method
+from .finetune.pretrained import PRETRAINED_TYPE, check_pretrained
 from .materialize import check_initialisable, parameters_on_meta
 from .options import EngineOptions, check_backend
 from .output_paths import HF_EXPORT, check_output, check_writable, export_hf_path
-from .pretrained import PRETRAINED_TYPE, check_pretrained
-from .resume import check_within_run
 from .step_config import wrong_type
 from .wrapping import WRAPPER_TYPE, check_list_option, require_parameters
 

@@ -14,7 +14,7 @@ functions to call :func:`run_step` and :func:`run_worker` with the originals, an
 - :func:`run_worker`, in each spawned worker: dies with its main process, and is stopped by it
   quietly (SIGINT ignored, SIGTERM ends it at once); across hosts, its
   global rank and ``TrainConfig``; once it finished, it ends without the interpreter's
-  finalization (:func:`~tango_fairscale.teardown.end_finished_worker`). In the main
+  finalization (:func:`~tango_fairscale.launch.teardown.end_finished_worker`). In the main
   process of a step of one device on the engine (Tango runs such a step in-process), alone or as
   one host of several, it spawns that worker with the config of distributed training.
 """
@@ -31,18 +31,19 @@ from tango.common import Lazy
 from tango.common.exceptions import ConfigurationError
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from . import compat, teardown
+from . import compat
 from . import launch as launching
-from .callbacks import RestoreRandomState
 from .checkpointing import newest_complete_checkpoint
 from .cpu.memory import cpu_worker_environment
 from .devices import devices_are_cpu
 from .errors import CheckpointError, refused, worker_checkpoint_error
+from .launch import teardown
 from .launch.failures import worker_died
 from .launch.signals import end_quietly_on_signals
-from .metrics import MetricsLog
 from .preflight import preflight, uses_fairscale_engine
 from .step_result import FinalModelOnMeta, finish_result, load_final_weights, spawned_workers_result
+from .telemetry.callbacks import RestoreRandomState
+from .telemetry.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ def run_worker(
     acts on SIGINT and SIGTERM and stops them (:func:`~.launch.signals.end_quietly_on_signals`). In a launch
     across hosts the index becomes the global rank, and the worker's ``TrainConfig`` the global one
     (:func:`tango_fairscale.launch.worker_train_config`). A distributed worker that finished ends
-    here (:func:`~tango_fairscale.teardown.end_finished_worker`): it does not return.
+    here (:func:`~tango_fairscale.launch.teardown.end_finished_worker`): it does not return.
     """
     world = launching.HostWorld.from_environment(os.environ)
     if (world is not None or _SPAWN_ONE_WORKER.get()) and not getattr(config, "is_distributed", False):
@@ -313,7 +314,7 @@ def run_worker(
     if getattr(config, "is_distributed", False):
         # A spawned worker that finished: left to the interpreter's finalization, a gloo thread
         # finishing the last collective could ask for the GIL and abort the worker (SIGABRT) after
-        # everything was written; it ends without it (see tango_fairscale.teardown). Only on
+        # everything was written; it ends without it (see tango_fairscale.launch.teardown). Only on
         # success: a worker that raised may have a peer inside a collective with it, and its
         # error must reach the main process without waiting.
         teardown.end_finished_worker()

@@ -136,7 +136,7 @@ def one_worker() -> Iterator[Any]:
     import torch.distributed as dist
 
     from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh
-    from tango_fairscale.teardown import close_process_groups
+    from tango_fairscale.launch.teardown import close_process_groups
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -425,14 +425,14 @@ def _in_place_of_a_tango_run_worker() -> Iterator[None]:
       stay in this process, where :class:`_Capture` collects them for the test. Tango has no setting
       that keeps them: the server's port is read when ``tango.common.logging`` is imported, and
       the records would reach the test process out of order with the jobs.
-    - ``tango_fairscale.teardown.end_finished_worker``, which the package's worker function (T2)
+    - ``tango_fairscale.launch.teardown.end_finished_worker``, which the package's worker function (T2)
       calls when the loop has finished: it ends the process (``os._exit``), and these workers go
       on to their next job. What it does first runs as in a ``tango run``:
       ``close_process_groups`` (the group destroyed, the cycles collected).
     """
     from tango.common import logging as tango_logging
 
-    from tango_fairscale import teardown
+    from tango_fairscale.launch import teardown
 
     with ExitStack() as stack:
         stack.enter_context(

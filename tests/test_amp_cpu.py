@@ -108,7 +108,7 @@ def one_worker_mixed_precision(
 
     from examples.toy.components import ToyRegressor
     from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
-    from tango_fairscale.teardown import close_process_groups
+    from tango_fairscale.launch.teardown import close_process_groups
     from tests.helpers import free_port
 
     generator = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """
-Canaries: for every patch of ``tango_fairscale/compat.py`` (the table in ``docs/architecture.md``,
+Canaries: for every patch of ``tango_fairscale/compat/__init__.py`` (the table in ``docs/architecture.md``,
 "The integration boundary"), a test that the upstream defect the patch works around, or the
 upstream behaviour it changes or depends on, is still there on the installed releases, shown
 on the upstream code as it is without the patch. When a release of torch, FairScale, Tango,

@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import CheckpointError, checkpointing, consolidation
+from tango_fairscale import CheckpointError, checkpointing
 from tango_fairscale.backends.fairscale_fsdp import resharding
+from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.cli import main
-from tango_fairscale.metrics import METRICS_FILE_NAME, read_metrics
+from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME, read_metrics
 from tests import harness
 from tests.helpers import (
     kill_after_checkpoint,

@@ -376,8 +376,8 @@ def test_the_run_without_weights_names_a_fix_that_works(tmp_path: Path, small_ll
     # it is not given; with weights in PyTorch's format it is, and names them.
     from tango.common.exceptions import ConfigurationError
 
+    from tango_fairscale.finetune.pretrained import from_pretrained
     from tango_fairscale.materialize import parameters_on_meta
-    from tango_fairscale.pretrained import from_pretrained
 
     (tmp_path / "config.json").write_text((small_llama / "config.json").read_text())
     with parameters_on_meta(), pytest.raises(ConfigurationError) as raised:

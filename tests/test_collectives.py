@@ -15,7 +15,7 @@ from tango_fairscale.backends.torch_fsdp2.collectives import (
     param_groups,
 )
 from tango_fairscale.cpu.collectives import GlooCollectives
-from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.launch.teardown import close_process_groups
 from tests import harness
 from tests.helpers import free_port
 

@@ -13,7 +13,7 @@ from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_modul
 from tango_fairscale import compat
 from tango_fairscale.backends.fairscale_fsdp import cpu_streams as streams
 from tango_fairscale.cpu import collectives, memory
-from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.launch.teardown import close_process_groups
 
 
 def test_enable_is_scoped_and_reversible() -> None:

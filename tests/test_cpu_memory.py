@@ -15,7 +15,7 @@ import pytest
 
 from tango_fairscale.cpu.memory import HUGE_PAGES_TUNABLE, cpu_worker_environment, malloc_advises_huge_pages
 from tango_fairscale.cpu.threads import available_cores
-from tango_fairscale.metrics import read_metrics
+from tango_fairscale.telemetry.metrics import read_metrics
 from tests.conftest import ToyRun
 from tests.helpers import ConcurrentProcesses, python_command, train_work_dir
 

@@ -8,7 +8,7 @@ from typing import Set
 from tango.integrations.torch import TrainCallback
 
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, with_wrapped_modules
-from tango_fairscale.lora import with_lora
+from tango_fairscale.finetune.lora import with_lora
 from tests.helpers import REPO
 
 #: The configuration reference, which the README points to.

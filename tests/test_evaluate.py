@@ -19,8 +19,8 @@ from tango.common.dataset_dict import DatasetDict
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model, TrainingEngine
 
-from tango_fairscale.evaluate import Evaluate, TokenLoss, evaluate_model, evaluate_sharded
-from tango_fairscale.text_data import TokenizeText
+from tango_fairscale.finetune.evaluate import Evaluate, TokenLoss, evaluate_model, evaluate_sharded
+from tango_fairscale.finetune.text_data import TokenizeText
 from tests import harness
 from tests.helpers import run_tango, train_config, train_work_dir
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tango.integrations.torch import TrainConfig
 
-from tango_fairscale.callbacks import MemoryCallback, WorkerStats, format_summary
+from tango_fairscale.telemetry.callbacks import MemoryCallback, WorkerStats, format_summary
 from tests.helpers import TANGO, free_port
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "train_gpt2"

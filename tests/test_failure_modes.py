@@ -18,8 +18,8 @@ from tango.integrations.torch import Model
 from tango.step import Step
 from torch import nn
 
-from tango_fairscale.evaluate import Evaluate
-from tango_fairscale.text_data import TokenizeText
+from tango_fairscale.finetune.evaluate import Evaluate
+from tango_fairscale.finetune.text_data import TokenizeText
 from tests.helpers import REPO, markdown_text
 from tests.test_evaluate import GPT2, documents, experiment, gpt2_config, pretrained  # noqa: F401 - a fixture
 from tests.test_validation import run_preflight

@@ -16,7 +16,7 @@ from tango.integrations.torch import Model, Optimizer, TrainConfig
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
 from tango_fairscale.backends.fairscale_fsdp import resharding
-from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.launch.teardown import close_process_groups
 from tests.helpers import free_port, pretrained_name
 from tests.test_amp_cpu import ONE_WORKER_RUNS, one_worker_mixed_precision
 
@@ -189,7 +189,7 @@ def test_checkpoint_of_gpu_shards_consolidates_to_the_trained_model(
     train_config: TrainConfig, backend: str
 ) -> None:
     from tango_fairscale import checkpointing
-    from tango_fairscale.consolidation import consolidate
+    from tango_fairscale.checkpointing.consolidation import consolidate
 
     data = batches(6)
     engine = make_engine(train_config, backend=backend)
@@ -235,7 +235,7 @@ def test_lora_units_train_as_plain_peft_on_the_gpu(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tango_fairscale import with_wrapped_modules
-    from tango_fairscale.consolidation import consolidate
+    from tango_fairscale.checkpointing.consolidation import consolidate
     from tests.helpers import TINY_LLAMA
 
     torch.manual_seed(5)

@@ -126,7 +126,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_from_pretrained_draws_no_random_number(pretrained: Path) -> None:
     # What makes adapters exact: transformers' from_pretrained draws nothing (4.57), and neither
     # does its build on meta (H2's load_on_meta, fairscale::from_pretrained).
-    from tango_fairscale.pretrained import from_pretrained
+    from tango_fairscale.finetune.pretrained import from_pretrained
 
     for loading_on_meta in (False, True):
         for load in (

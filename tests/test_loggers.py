@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from tango_fairscale.metrics import METRICS_FILE_NAME
+from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME
 from tests import harness
 from tests.helpers import kill_after_checkpoint, run_tango, train_config
 
@@ -249,7 +249,7 @@ def test_server_unreachable_answers_within_its_timeout() -> None:
     import time
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from tango_fairscale.loggers.wandb_logger import server_unreachable
+    from tango_fairscale.telemetry.loggers.wandb_logger import server_unreachable
 
     # Nothing listening: refused at once.
     closed = socket.socket()

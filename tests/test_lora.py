@@ -401,7 +401,7 @@ def _exported_logits(pretrained: Path, adapter: Path, merged: Path, seed: int) -
 def test_the_adapter_and_merged_exports_hold_every_trained_tensor(
     biased: Path, tmp_path: Path, options: Dict[str, Any]
 ) -> None:
-    from tango_fairscale.hf_export import export_merged_adapter, export_peft_adapter
+    from tango_fairscale.finetune.hf_export import export_merged_adapter, export_peft_adapter
 
     model = _with_lora(biased, options)
     # Training's stand-in: every trainable tensor moved off its start.
@@ -515,7 +515,7 @@ def test_peft_methods_other_than_lora_are_refused_before_training(pretrained: Pa
     from tango.common import Lazy, Params
     from tango.common.exceptions import ConfigurationError
 
-    from tango_fairscale.lora import adapter_config_of
+    from tango_fairscale.finetune.lora import adapter_config_of
     from tango_fairscale.preflight import check_model
 
     model = {"type": "test::peft_method", "pretrained": str(pretrained), "method": method}
@@ -566,7 +566,7 @@ def test_the_next_export_removes_what_a_killed_adapter_export_left(
     import subprocess
     import sys
 
-    from tango_fairscale.hf_export import export_peft_adapter
+    from tango_fairscale.finetune.hf_export import export_peft_adapter
 
     adapter = tmp_path / "adapter"
     killed = subprocess.run(

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from tango_fairscale import cli, consolidation
-from tango_fairscale.checkpointing import pretrained_base
+from tango_fairscale import cli
+from tango_fairscale.checkpointing import consolidation, pretrained_base
 from tests import harness
 from tests.helpers import (
     TINY_LLAMA,

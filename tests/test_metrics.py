@@ -1,5 +1,5 @@
 """
-The ``fairscale::metrics`` callback (``tango_fairscale.metrics.MetricsLog``) and the ``plot``
+The ``fairscale::metrics`` callback (``tango_fairscale.telemetry.metrics.MetricsLog``) and the ``plot``
 command: the callback driven hook by hook as Tango's training loop drives it, inside a real
 in-process Tango run with Tango's ``"torch"`` engine, and in Tango's worker loop on 2 CPU workers
 (:mod:`tests.harness`) with the ``"fairscale"`` engine, through a crash and a resume.
@@ -22,9 +22,9 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import DataLoader, TorchTrainStep, TrainConfig, TrainingEngine
 from tango.workspaces import LocalWorkspace
 
-from tango_fairscale import metrics
 from tango_fairscale.cli import main
-from tango_fairscale.metrics import METRICS_FILE_NAME, MetricsLog
+from tango_fairscale.telemetry import metrics
+from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME, MetricsLog
 from tests import harness
 from tests.components import RecordLosses, RegressorWithMetrics
 from tests.helpers import tango_command, tango_env, train_config, train_work_dir

@@ -27,12 +27,14 @@ import pytest
 import torch
 from tango.common.exceptions import ConfigurationError
 
-from tango_fairscale import checkpointing, consolidation, multihost
+from tango_fairscale import checkpointing
 from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.backends.lookup import holds_worker_files
 from tango_fairscale.backends.torch_fsdp2 import checkpoint as torch_checkpoint
+from tango_fairscale.checkpointing import consolidation
+from tango_fairscale.launch import multihost
+from tango_fairscale.launch.teardown import close_process_groups
 from tango_fairscale.options import EngineOptions
-from tango_fairscale.teardown import close_process_groups
 from tests import harness
 from tests.helpers import (
     INCLUDES,

@@ -20,11 +20,11 @@ import torch
 from tango.common.exceptions import ConfigurationError
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import checkpointing, consolidation, output_paths
+from tango_fairscale import checkpointing, output_paths
+from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.checkpointing.streaming import TensorEntry, stream_save
 from tango_fairscale.cli import main
 from tango_fairscale.errors import CheckpointError
-from tango_fairscale.metrics import METRICS_FILE_NAME
 from tango_fairscale.output_paths import (
     CONSOLIDATED,
     EXPORT_MARKER,
@@ -33,6 +33,7 @@ from tango_fairscale.output_paths import (
     check_output,
 )
 from tango_fairscale.preflight import check_engine
+from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME
 from tests import harness
 from tests.conftest import ToyTrain
 from tests.helpers import (
@@ -90,7 +91,7 @@ def gpt2_config() -> Any:
 
 def export(weights_pt: Path, directory: Path, **kwargs: Any) -> Path:
     """The export the engine and ``consolidate --format hf`` run, from a ``weights.pt``."""
-    from tango_fairscale.hf_export import export_hf, weights_file
+    from tango_fairscale.finetune.hf_export import export_hf, weights_file
 
     return export_hf(weights_file(weights_pt), directory, gpt2_config(), **kwargs)
 
@@ -405,7 +406,7 @@ if kind == "weights":
     stream_save([TensorEntry(n, *shapes[n]) for n in shapes], lambda entry: produce(entry.name), path)
 else:
     from transformers import GPT2Config
-    from tango_fairscale.hf_export import export_hf, weights_file
+    from tango_fairscale.finetune.hf_export import export_hf, weights_file
     shapes, _ = weights_file(path.parent / "weights.pt")
     config = GPT2Config(**json.loads(sys.argv[3]), architectures=["GPT2LMHeadModel"])
     export_hf((shapes, produce), path, config, work_dir=path.parent)  # as the engine's export

@@ -20,8 +20,8 @@ from tango.common import Lazy, Params
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
+from tango_fairscale.finetune.pretrained import check_pretrained, from_pretrained
 from tango_fairscale.materialize import parameters_on_meta
-from tango_fairscale.pretrained import check_pretrained, from_pretrained
 from tests import harness
 from tests.helpers import (
     free_port,
@@ -190,7 +190,7 @@ def _status_kib(key: str) -> int:
 def test_pretrained_files_are_read_through_a_mapping_that_is_not_private_memory(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from tango_fairscale.pretrained import SafetensorsFiles
+    from tango_fairscale.finetune.pretrained import SafetensorsFiles
 
     # 64 MiB of float32 and a bfloat16 tensor behind it, as save_pretrained lays them out.
     tensors = {"big": torch.randn(4096, 4096), "small": torch.randn(3, 5).to(torch.bfloat16)}
@@ -240,7 +240,7 @@ def test_a_unit_sharded_right_after_takes_the_mapped_pretrained_tensors_as_they_
 def test_a_damaged_safetensors_file_is_refused_naming_it(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from tango_fairscale.pretrained import SafetensorsFiles
+    from tango_fairscale.finetune.pretrained import SafetensorsFiles
 
     save_file({"weight": torch.ones(16)}, str(tmp_path / "model.safetensors"))
     data = (tmp_path / "model.safetensors").read_bytes()
@@ -454,7 +454,7 @@ def test_a_hub_name_is_read_from_the_cache_or_refused_at_once_offline(
 import time
 import huggingface_hub, transformers.utils  # imported first: the check's own time is measured
 from tango.common.exceptions import ConfigurationError
-from tango_fairscale.pretrained import check_pretrained, from_pretrained
+from tango_fairscale.finetune.pretrained import check_pretrained, from_pretrained
 start = time.monotonic()
 try:
     check_pretrained("nobody/not-cached")
@@ -671,7 +671,7 @@ def test_docs_consolidate_format_hf_command_as_written(
 def test_export_in_shards_with_an_index_loads_the_same(pretrained: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tango_fairscale.hf_export import export_hf, weights_file
+    from tango_fairscale.finetune.hf_export import export_hf, weights_file
 
     original = AutoModelForCausalLM.from_pretrained(pretrained)
     torch.save(original.state_dict(), tmp_path / "weights.pt")
@@ -686,7 +686,7 @@ def test_export_in_shards_with_an_index_loads_the_same(pretrained: Path, tmp_pat
 def test_a_crash_while_exporting_leaves_the_previous_directory(pretrained: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    from tango_fairscale.hf_export import export_hf, weights_file
+    from tango_fairscale.finetune.hf_export import export_hf, weights_file
 
     config = AutoConfig.from_pretrained(pretrained)
     original = load_file(str(pretrained / "model.safetensors"))

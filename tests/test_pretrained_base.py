@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from tango_fairscale.checkpointing import pretrained_base
 from tango_fairscale.checkpointing.streaming import TensorEntry
 from tango_fairscale.errors import CheckpointError
+from tango_fairscale.finetune.pretrained import SafetensorsFiles, mark_from_files
 from tango_fairscale.materialize import mark_pretrained, parameters_on_meta
-from tango_fairscale.pretrained import SafetensorsFiles, mark_from_files
 
 
 class Tied(nn.Module):

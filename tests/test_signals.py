@@ -22,7 +22,7 @@ import torch
 
 from tango_fairscale.checkpointing import is_complete, newest_complete_checkpoint
 from tango_fairscale.launch.signals import TrainingStopped
-from tango_fairscale.metrics import read_metrics
+from tango_fairscale.telemetry.metrics import read_metrics
 from tests.helpers import (
     REPO,
     descendants,
@@ -324,8 +324,7 @@ def test_a_signal_during_consolidate_is_one_line_and_leaves_nothing_at_the_targe
     (before: SIGINT printed a 22-line ``KeyboardInterrupt`` traceback and left the directories,
     SIGTERM killed it with a partial ``.full.pt.PID.HEX.tmp`` left); the same command again writes it.
     """
-    from tango_fairscale import consolidation
-    from tango_fairscale.checkpointing import resolve_checkpoint
+    from tango_fairscale.checkpointing import consolidation, resolve_checkpoint
     from tango_fairscale.cli import main
 
     work_dir = toy_train("fairscale", "nested", backend=backend)

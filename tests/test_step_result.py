@@ -1,7 +1,7 @@
 """
 The end of a run: the step's result (built in Tango's main process on ``meta``, the weights
 assigned, :mod:`tango_fairscale.step_result`) and ``weights.pt`` (streamed from the shards,
-:mod:`tango_fairscale.consolidation`), on a model whose output head is tied to its embedding.
+:mod:`tango_fairscale.checkpointing.consolidation`), on a model whose output head is tied to its embedding.
 """
 
 import subprocess
@@ -15,7 +15,8 @@ import torch.nn as nn
 from tango.common import Params
 from tango.workspaces import LocalWorkspace
 
-from tango_fairscale import checkpointing, consolidation
+from tango_fairscale import checkpointing
+from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.step_result import FinalModelOnMeta, assign_state_dict
 from tests import harness
 from tests.components import TiedLM

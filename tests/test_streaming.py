@@ -1,6 +1,6 @@
 """
 Writing a state dict one tensor at a time (:mod:`tango_fairscale.checkpointing.streaming`), and
-consolidation through it (:mod:`tango_fairscale.consolidation`): the files load with
+consolidation through it (:mod:`tango_fairscale.checkpointing.consolidation`): the files load with
 ``torch.load(weights_only=True)`` and equal what the in-memory consolidation gives.
 """
 
@@ -10,7 +10,8 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tango_fairscale import checkpointing, consolidation
+from tango_fairscale import checkpointing
+from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.checkpointing.streaming import TensorEntry, stream_save
 from tango_fairscale.errors import CheckpointError
 from tests.conftest import ToyTrain

@@ -1,5 +1,5 @@
 """
-A worker's exit (:mod:`tango_fairscale.teardown`): a distributed worker that finished ends with
+A worker's exit (:mod:`tango_fairscale.launch.teardown`): a distributed worker that finished ends with
 status 0 without the interpreter's finalization, after what a normal exit would have flushed and
 run; one that raised is left to ``mp.spawn``'s error reporting. Two gloo workers of
 :mod:`tests.harness`, in seconds.
@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import FSDPConfig, WrapPlan, teardown, train_step
+from tango_fairscale import FSDPConfig, WrapPlan, train_step
 from tango_fairscale.backends.torch_fsdp2.sharding import make_mesh, shard_model
-from tango_fairscale.teardown import gloo_threads
+from tango_fairscale.launch import teardown
+from tango_fairscale.launch.teardown import gloo_threads
 from tests import harness
 from tests.helpers import free_port, tango_env
 
@@ -126,7 +127,7 @@ def test_close_process_groups_destroys_the_group_and_collects_its_holders() -> N
     # In a process of its own (no group may outlive the test in this one).
     script = f"""
 import gc, weakref, torch.distributed as dist
-from tango_fairscale.teardown import close_process_groups
+from tango_fairscale.launch.teardown import close_process_groups
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 class Holder:
     def __init__(self):

@@ -16,7 +16,13 @@ import pytest
 import torch
 from tango.common.exceptions import CliRunError, ConfigurationError
 
-from tango_fairscale.text_data import STEP_NAME, TextDataError, TextNotFoundError, TokenBlocks, TokenizeText
+from tango_fairscale.finetune.text_data import (
+    STEP_NAME,
+    TextDataError,
+    TextNotFoundError,
+    TokenBlocks,
+    TokenizeText,
+)
 from tests import harness
 from tests.helpers import max_abs_difference, train_config
 

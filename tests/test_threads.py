@@ -23,9 +23,9 @@ from tango_fairscale.cpu.threads import (
     blas_threads,
     choose_threads,
 )
-from tango_fairscale.metrics import read_metrics
 from tango_fairscale.options import EngineOptions
 from tango_fairscale.preflight import check_engine
+from tango_fairscale.telemetry.metrics import read_metrics
 from tests import harness
 from tests.helpers import ConcurrentProcesses, python_command, train_config
 

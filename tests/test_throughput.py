@@ -14,9 +14,9 @@ import torch.distributed as dist
 from tango.integrations.torch import TrainConfig
 
 from tango_fairscale.cpu import timing
-from tango_fairscale.loggers.base import RankZeroLogger
 from tango_fairscale.telemetry.core import MAX_PENDING
 from tango_fairscale.telemetry.figures import Window, combine, mfu, worker_figures
+from tango_fairscale.telemetry.loggers.base import RankZeroLogger
 from tango_fairscale.telemetry.peaks import GPU_PEAK_TFLOPS, gpu_peak, measure_cpu_peak
 from tango_fairscale.telemetry.tokens import count_tokens
 from tests.helpers import free_port

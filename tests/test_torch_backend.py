@@ -47,9 +47,9 @@ from tango_fairscale.backends.torch_fsdp2.sharding import (
     shard_model,
 )
 from tango_fairscale.errors import CheckpointError
+from tango_fairscale.launch.teardown import close_process_groups
 from tango_fairscale.materialize import materialize_module, parameters_on_meta
 from tango_fairscale.options import check_engine_options
-from tango_fairscale.teardown import close_process_groups
 from tango_fairscale.topology import Topology
 from tests import harness
 from tests.helpers import (

@@ -12,9 +12,10 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from examples.toy.components import ToyRegressor
-from tango_fairscale import FSDPConfig, WrapPlan, compat, consolidation, plan_wrapping, with_wrapped_modules
+from tango_fairscale import FSDPConfig, WrapPlan, compat, plan_wrapping, with_wrapped_modules
 from tango_fairscale.backends.fairscale_fsdp.backend import FairScaleBackend, apply_wrap_plan
 from tango_fairscale.backends.torch_fsdp2.backend import TorchBackend
+from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.wrapping import recorded_plan, replace_submodule
 from tests import harness
 from tests.helpers import (
@@ -384,7 +385,7 @@ def _gathered(unit: Any) -> List[str]:
 def _check_frozen_release(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from tango_fairscale.teardown import close_process_groups
+    from tango_fairscale.launch.teardown import close_process_groups
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     compat.enable_cpu_fsdp()

@@ -28,7 +28,7 @@ from tango.workspaces import LocalWorkspace
 
 # Registers the "fairscale" engine and the callbacks; the workers import it too.
 from tango_fairscale import FairScaleTrainingEngine
-from tango_fairscale.metrics import METRICS_FILE_NAME, MetricsLog
+from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME, MetricsLog
 
 
 class TinyRegressor(Model):

@@ -6,7 +6,7 @@ Tango's calls (build the model, backward, clip, save, load, write ``weights.pt``
 one :class:`Backend`, chosen by name (:func:`tango_fairscale.backends.backend_class`), and holds no
 branch on which one. What both backends share is written once, outside them: the commit of a
 checkpoint (:mod:`tango_fairscale.checkpointing.commit`), the resume point
-(:mod:`tango_fairscale.resume`), the streaming of ``weights.pt``
+(:mod:`tango_fairscale.checkpointing.resume`), the streaming of ``weights.pt``
 (:mod:`tango_fairscale.checkpointing.streaming`).
 """
 
@@ -32,13 +32,13 @@ import torch.nn as nn
 from tango.common import Lazy
 from tango.integrations.torch import Model, TrainConfig
 
-from .. import checkpointing, multihost
+from .. import checkpointing
 from ..checkpointing import model_records, pretrained_base
 from ..checkpointing.streaming import TensorEntry
 from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
-from ..launch import HostWorld
-from ..lora import adapter_config_of
+from ..finetune.lora import adapter_config_of
+from ..launch import HostWorld, multihost
 from ..topology import Topology
 
 #: The marker's field holding the peft adapter's config, for a model holding a ``PeftModel``.
@@ -87,7 +87,7 @@ class BackendContext:
         self, files_of_worker: "multihost.FilesOfWorker"
     ) -> Optional[Callable[[Path, Dict[str, Any]], None]]:
         """
-        What a host's leader adds to its marker across hosts (see :mod:`tango_fairscale.multihost`);
+        What a host's leader adds to its marker across hosts (see :mod:`tango_fairscale.launch.multihost`);
         ``files_of_worker`` is the writing backend's :meth:`Backend.files_of_worker`.
         """
         if self.hosts is None:

@@ -87,7 +87,8 @@ def commit(
         # checkpoint to fill the disk: it never got its marker, so nothing would resume from it.
         # Every worker that sees the failure removes it (the one that failed first, before its
         # peers may be stopped); a run started again removes what a killed save left
-        # (tango_fairscale.resume). The last complete checkpoint and the latest link are untouched.
+        # (tango_fairscale.checkpointing.resume). The last complete checkpoint and the latest
+        # link are untouched.
         if not (checkpoint_dir / MARKER).exists():
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
         raise

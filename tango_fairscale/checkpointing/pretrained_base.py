@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..safetensors_files import SAFETENSORS_DTYPES, SafetensorsFiles
+from ..finetune.safetensors_files import SAFETENSORS_DTYPES, SafetensorsFiles
 from .files import file_digest
 from .streaming import TensorEntry
 

@@ -25,7 +25,7 @@ DEFAULT_HOST_TIMEOUT = 10.0
 HEARTBEAT_INTERVAL = 1.0
 
 #: ``0``: treat the other hosts' work directories as unreadable even on a shared filesystem, so
-#: that checkpoints stay per-host parts (see :mod:`tango_fairscale.multihost`).
+#: that checkpoints stay per-host parts (see :mod:`tango_fairscale.launch.multihost`).
 SHARED_CHECKPOINTS_VARIABLE = "TANGO_FAIRSCALE_SHARED_CHECKPOINTS"
 
 #: What a spawned worker learns about the hosts (JSON of :class:`HostWorld`).

@@ -247,7 +247,7 @@ def end_quietly_on_signals() -> None:
     every stopped run. The clean-up runs multiprocessing's finalizers of exit priority 0 and up
     (those ``multiprocessing`` runs first at exit: the semaphores' unlinking among them), then
     ``os._exit``: no interpreter finalization, where a gloo thread still inside a collective
-    could abort the process (see :mod:`tango_fairscale.teardown`). Only the main thread can set
+    could abort the process (see :mod:`tango_fairscale.launch.teardown`). Only the main thread can set
     handlers; elsewhere nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():

@@ -349,9 +349,7 @@ class WorkerTelemetry:
         Whether this worker's FSDP collectives go through the timed rings: CPU workers of the
         ``"fairscale"`` engine, either backend (not DDP's all-reduces, not NCCL on GPUs).
         """
-        from ..engine import (
-            FairScaleTrainingEngine,
-        )  # not at import: the engine's modules import the callbacks
+        from ..engine import FairScaleTrainingEngine
 
         return self.device.type == "cpu" and isinstance(self.training_engine, FairScaleTrainingEngine)
 

@@ -18,7 +18,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler
 from tango.common import Lazy, Tqdm
 from tango.integrations.torch import Model
 
-from ... import checkpointing, compat, multihost
+from ... import checkpointing, compat
 from ...checkpointing import pretrained_base
 from ...checkpointing.commit import Digests, commit
 from ...checkpointing.compatible import check_same_optimizer
@@ -27,7 +27,7 @@ from ...compiling import compile_unit
 from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
 from ...errors import WrapConfigurationError
-from ...launch import HostWorld
+from ...launch import HostWorld, multihost
 from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource
@@ -525,7 +525,7 @@ def gather_model_shards(
     (call it on each of them, and only there: it exchanges point-to-point with the others only).
     Files this host has are read here (and checked against the marker, SHA-256 with ``hashes``);
     the others are sent by the first worker of the host that wrote them
-    (:func:`~tango_fairscale.multihost.receive_missing_files`) into a temporary directory beside
+    (:func:`~tango_fairscale.launch.multihost.receive_missing_files`) into a temporary directory beside
     the checkpoint.
     """
     checkpoint_dir = Path(checkpoint_dir)

@@ -14,8 +14,9 @@ from tango.common import Lazy
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
-from ... import checkpointing, multihost
+from ... import checkpointing
 from ...checkpointing.streaming import stream_save
+from ...launch import multihost
 from ...materialize import parameters_on_meta
 from ...wrapping import WrapPlan, recorded_plan, require_parameters
 from ..base import Backend, LoadedCheckpoint, ModelSource

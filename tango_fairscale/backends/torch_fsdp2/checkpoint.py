@@ -15,7 +15,7 @@ Layout of a checkpoint directory (``checkpoint_state_step<N>``)::
 
 DCP reshards on load: a checkpoint saved by N workers loads on M (any mesh).
 
-Across hosts, each with its own disk (see :mod:`tango_fairscale.multihost`), each host's directory
+Across hosts, each with its own disk (see :mod:`tango_fairscale.launch.multihost`), each host's directory
 holds its own workers' files and a ``.metadata`` of its own: DCP writes a value that several
 workers hold (an optimizer step count; under hybrid sharding, every shard, held once per host)
 only once, and its one metadata file, on the coordinator's host, names where. Here such a value is
@@ -604,7 +604,7 @@ def _link_part(checkpoint_dir: Path, received_dir: Path) -> Tuple[Dict[str, Any]
     Link this host's DCP files of ``checkpoint_dir`` (a host's part of a checkpoint across hosts)
     in beside those received from the other hosts in ``received_dir`` (under their names relative
     to the checkpoint, already checked against the marker, e.g. by
-    :func:`tango_fairscale.multihost.receive_missing_files`); returns the marker and the names of
+    :func:`tango_fairscale.launch.multihost.receive_missing_files`); returns the marker and the names of
     the received files.
     """
     marker = checkpointing.read_marker(checkpoint_dir)

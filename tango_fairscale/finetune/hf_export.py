@@ -25,10 +25,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .backends.base import ModelSource
-from .checkpointing.files import fsync_directory, safe_load
-from .errors import CheckpointError
-from .output_paths import (
+from ..backends.base import ModelSource
+from ..checkpointing.files import fsync_directory, safe_load
+from ..errors import CheckpointError
+from ..output_paths import (
     EXPORT_MARKER,
     HF_EXPORT,
     TOKENIZER_FILES,

@@ -21,7 +21,7 @@ class TensorBoardLogger(RankZeroLogger):
     Writes the training step's metrics as TensorBoard scalars from global rank 0: the same rows as
     ``fairscale::wandb`` (``train/loss``, ``train/lr``, ``train/tokens_per_second``, ``train/mfu``,
     ``train/collective_time_s``, ``train/peak_memory_mib``..., ``worker<N>/...``, ``val/...``; see
-    :class:`~tango_fairscale.loggers.base.RankZeroLogger`), one event per scalar and step, flushed
+    :class:`~tango_fairscale.telemetry.loggers.base.RankZeroLogger`), one event per scalar and step, flushed
     after every row, so a killed run keeps every row it wrote.
 
     .. tip::
@@ -38,7 +38,7 @@ class TensorBoardLogger(RankZeroLogger):
         directory.
 
     ``every`` (default: the step's ``log_every``), ``peak_tflops`` and ``final_wait_s``: see
-    :class:`~tango_fairscale.loggers.base.RankZeroLogger`.
+    :class:`~tango_fairscale.telemetry.loggers.base.RankZeroLogger`.
     """
 
     NAME = "fairscale::tensorboard"

@@ -1,5 +1,5 @@
 """
-The options of ``"fairscale::tokenize_text"`` (:mod:`tango_fairscale.text_data`), checked before
+The options of ``"fairscale::tokenize_text"`` (:mod:`tango_fairscale.finetune.text_data`), checked before
 anything is read: their types (Tango's own conversion turns ``true`` into 1), their ranges, and
 which of them go together; a mistake is one :class:`TextDataError` line naming the option.
 """

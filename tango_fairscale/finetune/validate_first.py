@@ -15,9 +15,9 @@ from tango.common.exceptions import ConfigurationError
 from tango.common.tqdm import Tqdm
 from tango.integrations.torch import TrainCallback
 
-from .checkpointing import random_state
-from .telemetry.core import telemetry_for
-from .telemetry.record import Sums, output_sums
+from ..checkpointing import random_state
+from ..telemetry.core import telemetry_for
+from ..telemetry.record import Sums, output_sums
 
 __all__ = ["ValidateFirst"]
 
@@ -41,7 +41,7 @@ class ValidateFirst(TrainCallback):
 
     Where the value goes:
 
-    - the metrics log (``metrics.jsonl``, :class:`~tango_fairscale.metrics.MetricsLog`): a
+    - the metrics log (``metrics.jsonl``, :class:`~tango_fairscale.telemetry.metrics.MetricsLog`): a
       validation line of ``step`` 0 with ``"baseline": true``, ``val_<val_metric_name>`` and
       ``val_<name>`` for every scalar the model returned, averaged over all batches of all workers
       (through the step telemetry, :meth:`~tango_fairscale.telemetry.core.WorkerTelemetry.baseline`);

@@ -79,7 +79,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .compat import meta_parameter_registration
+from ..compat import meta_parameter_registration
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from tango.integrations.torch.util import move_to_device, resolve_device, set_se
 from tango.step import StepResources
 from torch import nn
 
-from .errors import CheckpointError
-from .materialize import has_meta_parameters, mark_pretrained, parameters_on_meta
-from .preflight import PreflightError
+from ..errors import CheckpointError
+from ..materialize import has_meta_parameters, mark_pretrained, parameters_on_meta
+from ..preflight import PreflightError
 from .text_data import IGNORE_INDEX
 
 __all__ = [
@@ -77,7 +77,7 @@ def _engine_for_evaluation(training_engine: Optional[Lazy[TrainingEngine]]) -> L
     where it names none (the engine needs one, built and never stepped; a config's engine block
     written for evaluation alone would otherwise fail in every worker).
     """
-    from .preflight import params_of
+    from ..preflight import params_of
 
     if training_engine is None:
         return Lazy(TrainingEngine, Params(dict(DEFAULT_ENGINE)))
@@ -179,7 +179,7 @@ def evaluate_model(
     model: nn.Module, split: Sequence[Any], batch_size: int, label_shift: int = 1, device: Any = None
 ) -> TokenLoss:
     """In this process: ``model`` (eval mode, on ``device``: a GPU if any) over every batch of ``split``."""
-    from .engine import name_causal_lm_loss
+    from ..engine import name_causal_lm_loss
 
     device = resolve_device(device)
     model.eval()
@@ -321,9 +321,9 @@ def _worker(
     """One worker of a sharded evaluation (``mp.spawn``): worker 0 writes the sums to the work directory."""
     from tango.common import logging as tango_logging
 
-    from .launch import die_with_parent
-    from .launch.signals import end_quietly_on_signals
-    from .teardown import end_finished_worker
+    from ..launch import die_with_parent
+    from ..launch.signals import end_quietly_on_signals
+    from ..launch.teardown import end_finished_worker
 
     die_with_parent()
     end_quietly_on_signals()
@@ -357,10 +357,10 @@ def _check_engine(engine: Lazy[TrainingEngine], device_count: int) -> None:
     mistake failed in every worker before (a traceback per worker), and ``device_count`` had no
     bound (1000 forked a thousand CPU processes).
     """
-    from .cpu.threads import available_cores
-    from .devices import devices_are_cpu
-    from .options import EngineOptions
-    from .preflight import check_engine_keys, params_of, uses_fairscale_engine
+    from ..cpu.threads import available_cores
+    from ..devices import devices_are_cpu
+    from ..options import EngineOptions
+    from ..preflight import check_engine_keys, params_of, uses_fairscale_engine
 
     on_cpu = devices_are_cpu(_devices(device_count))
     limit = MAX_CPU_WORKERS_PER_CORE * available_cores()
@@ -431,9 +431,9 @@ def _check_model_and_data(model: Any, split: str, data: Any, weights: Optional[s
     The model's inputs (a pretrained directory that is there, ``weights`` that fit it), a
     ``forward()`` that takes the batches, and data that fits the model.
     """
+    from ..preflight import check_pretrained_models
     from .data_fit import check_data_fits_model
     from .hf_export import hf_model_in
-    from .preflight import check_pretrained_models
 
     state = None
     if weights is not None:
@@ -623,8 +623,8 @@ class Evaluate(Step):
                 f"{STEP_NAME}: weights: {weights} is not a file (a training step's weights.pt)."
             )
         if training_engine is not None:
-            from .options import check_cpu_threads
-            from .preflight import params_of
+            from ..options import check_cpu_threads
+            from ..preflight import params_of
 
             # Read in this process for the workers' environment (_sharded), so checked here.
             check_cpu_threads(params_of(training_engine).get("cpu_threads_per_worker"))
@@ -655,10 +655,10 @@ class Evaluate(Step):
         """The workers spawned as ``torch::train`` spawns them, the rendezvous store served from here."""
         import torch.multiprocessing as mp
 
-        from . import compat
-        from .cpu.memory import cpu_worker_environment
-        from .launch import environment, free_port, rendezvous_store
-        from .preflight import params_of
+        from .. import compat
+        from ..cpu.memory import cpu_worker_environment
+        from ..launch import environment, free_port, rendezvous_store
+        from ..preflight import params_of
 
         devices = _devices(device_count)
         work_dir = Path(self.work_dir)

@@ -122,7 +122,7 @@ class WandbLogger(RankZeroLogger):
     model FLOP/s, MFU, time in collectives and peak memory of the step, each worker's memory and
     throughput under ``worker<N>/``, and Tango's validation metric. The other workers' figures
     reach rank 0 through the rendezvous store, never a collective, so a slow or dead worker
-    never holds the others up (see :class:`~tango_fairscale.loggers.base.RankZeroLogger`). On one
+    never holds the others up (see :class:`~tango_fairscale.telemetry.loggers.base.RankZeroLogger`). On one
     host and across hosts alike.
 
     .. tip::
@@ -153,7 +153,7 @@ class WandbLogger(RankZeroLogger):
     :param dir: The directory W&B writes its files to. Default: the step's work directory.
     :param run_id: The W&B run id. Default: derived from the step (see above).
     The options of every logger, ``every`` (default: the step's ``log_every``), ``peak_tflops`` and
-    ``final_wait_s``, are :class:`~tango_fairscale.loggers.base.RankZeroLogger`'s.
+    ``final_wait_s``, are :class:`~tango_fairscale.telemetry.loggers.base.RankZeroLogger`'s.
     """
 
     NAME = "fairscale::wandb"

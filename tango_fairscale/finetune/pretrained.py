@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
-from .errors import did_you_mean
-from .materialize import building_on_meta, mark_pretrained, not_recorded
-from .registry import register_model_constructor
+from ..errors import did_you_mean
+from ..materialize import building_on_meta, mark_pretrained, not_recorded
+from ..registry import register_model_constructor
 
 # read_header and SAFETENSORS_FILE are also this module's for the benchmarks' and tests' use.
 from .safetensors_files import (

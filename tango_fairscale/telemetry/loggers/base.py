@@ -20,11 +20,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from tango.common.exceptions import ConfigurationError
 
+from ..callback import TelemetryCallback
 from ..callbacks import check_peak_tflops, check_whole_number
-from ..telemetry.callback import TelemetryCallback
-from ..telemetry.core import RankWindows, is_logged
-from ..telemetry.figures import finite, worker_figures
-from ..telemetry.record import StepRecord, mean_loss, train_figures
+from ..core import RankWindows, is_logged
+from ..figures import finite, worker_figures
+from ..record import StepRecord, mean_loss, train_figures
 
 __all__ = ["RankZeroLogger"]
 
@@ -50,7 +50,7 @@ class RankZeroLogger(TelemetryCallback):
     A row holds, under ``train/``: ``loss`` (averaged over the workers), ``lr``,
     ``samples_per_second``, ``step_time_s``, ``tokens_per_step``, ``tokens_per_second``,
     ``model_flops_per_step``, ``model_flops_per_second``, ``mfu``, ``collective_time_s`` and
-    ``peak_memory_mib``, as in the metrics log (:class:`~tango_fairscale.metrics.MetricsLog`);
+    ``peak_memory_mib``, as in the metrics log (:class:`~tango_fairscale.telemetry.metrics.MetricsLog`);
     under ``worker<N>/`` each worker's ``peak_memory_mib``, ``samples_per_second``,
     ``tokens_per_second``, ``mfu`` and ``collective_time_s``; after a validation, under ``val/``,
     Tango's validation metric and the best so far. Figures that are not known (MFU on a GPU the

@@ -43,9 +43,9 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optio
 import torch
 import torch.distributed as dist
 
-from . import checkpointing
-from .errors import CheckpointError
-from .launch import HostWorld
+from .. import checkpointing
+from ..errors import CheckpointError
+from . import HostWorld
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainConfig
 
-from . import checkpointing, multihost
-from .backends.lookup import holds_worker_files
-from .launch import HostWorld
+from .. import checkpointing
+from ..backends.lookup import holds_worker_files
+from ..launch import HostWorld, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _newest_on_this_host(config: TrainConfig) -> bool:
 def _agree_on_own_checkpoint(config: TrainConfig, hosts: HostWorld) -> bool:
     """
     Across hosts: point the link, on every host, at the newest checkpoint that every worker of
-    every host can resume from (see :mod:`tango_fairscale.multihost`), or remove it when there is none.
+    every host can resume from (see :mod:`tango_fairscale.launch.multihost`), or remove it when there is none.
     """
     mine = multihost.resumable_steps(config.work_dir, config.world_size, config.worker_id, holds_worker_files)
     everyone: List[Dict[int, str]] = [{} for _ in range(config.world_size)]

@@ -31,22 +31,23 @@ from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
 from tango.common.exceptions import ConfigurationError
 from tqdm import tqdm
 
-from . import checkpointing, consolidation, output_paths
-from .backends.base import ADAPTER_FIELD
-from .errors import CheckpointError
-from .hf_export import (
+from .. import checkpointing, output_paths
+from ..backends.base import ADAPTER_FIELD
+from ..checkpointing import consolidation
+from ..errors import CheckpointError
+from ..finetune.hf_export import (
     export_hf,
     export_merged_adapter,
     export_peft_adapter,
     model_class_of,
     model_source_tensors,
 )
-from .launch.signals import StopSignal, stop_signals_raise
-from .metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
-from .plan import make_plan, parse_memory, render
-from .plan_preflight import plan_preflight
-from .plotting import MAX_PANELS, metric_keys, panels_of, plot_metrics
-from .pretrained import shapes_only
+from ..finetune.pretrained import shapes_only
+from ..launch.signals import StopSignal, stop_signals_raise
+from ..plan import make_plan, parse_memory, render
+from ..plan.preflight import plan_preflight
+from ..telemetry.metrics import METRIC_KINDS, METRICS_FILE_NAME, read_metrics
+from ..telemetry.plotting import MAX_PANELS, metric_keys, panels_of, plot_metrics
 
 TRAIN_STEP_TYPE = "torch::train"
 
@@ -610,8 +611,8 @@ def peak_command(dtype_name: str, threads: Optional[int], seconds: float) -> Non
     """Print the FLOP/s of a square matmul on this process's threads (what CPU workers measure)."""
     import torch
 
-    from .config import parse_dtype
-    from .telemetry.peaks import measure_cpu_peak
+    from ..config import parse_dtype
+    from ..telemetry.peaks import measure_cpu_peak
 
     if threads is not None:
         if threads < 1:

@@ -1,5 +1,5 @@
 """
-The drawing of a metrics log (``metrics.jsonl``, :mod:`tango_fairscale.metrics`) that
+The drawing of a metrics log (``metrics.jsonl``, :mod:`tango_fairscale.telemetry.metrics`) that
 ``python -m tango_fairscale plot`` makes: :func:`metric_keys` and :func:`plot_metrics`.
 """
 
@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Sequence
 
+from .figures import scalar
 from .metrics import METRIC_KINDS
-from .telemetry.figures import scalar
 
 __all__ = ["MAX_PANELS", "NON_METRIC_FIELDS", "metric_keys", "panel_name", "panels_of", "plot_metrics"]
 

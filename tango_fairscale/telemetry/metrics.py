@@ -2,7 +2,7 @@
 :class:`MetricsLog`: a per-step metrics log of a ``torch::train`` step, as JSON lines in the
 step's work directory, registered as the callback ``"fairscale::metrics"``, which reads the step
 telemetry (:mod:`tango_fairscale.telemetry`); and :func:`read_metrics`, which reads the file
-back (``python -m tango_fairscale plot`` draws it: :mod:`tango_fairscale.plotting`).
+back (``python -m tango_fairscale plot`` draws it: :mod:`tango_fairscale.telemetry.plotting`).
 """
 
 import json
@@ -14,14 +14,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from tango.integrations.torch import TrainCallback
 
+from ..compiling import stats as compiling_stats
+from ..cpu.memory import malloc_advises_huge_pages
+from ..cpu.threads import describe_threads
+from .callback import TelemetryCallback
 from .callbacks import check_peak_tflops, check_whole_number
-from .compiling import stats as compiling_stats
-from .cpu.memory import malloc_advises_huge_pages
-from .cpu.threads import describe_threads
-from .telemetry.callback import TelemetryCallback
-from .telemetry.core import RankWindows, is_logged
-from .telemetry.figures import finite, scalar
-from .telemetry.record import MeterInfo, StepRecord, mean_loss, mean_outputs, train_figures
+from .core import RankWindows, is_logged
+from .figures import finite, scalar
+from .record import MeterInfo, StepRecord, mean_loss, mean_outputs, train_figures
 
 __all__ = ["METRICS_FILE_NAME", "MetricsLog", "read_metrics"]
 

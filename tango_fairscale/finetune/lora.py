@@ -37,7 +37,7 @@ from tango.common import FromParams
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
-from .registry import register_model_constructor
+from ..registry import register_model_constructor
 
 #: The registered name of :func:`with_lora`.
 LORA_TYPE = "fairscale::with_lora"

@@ -12,11 +12,11 @@ import torch
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainCallback
 
-from .checkpointing import random_state
-from .telemetry.callback import TelemetryCallback
-from .telemetry.core import peak_memory_mib
-from .telemetry.figures import Window, mfu, worker_figures
-from .telemetry.record import StepRecord
+from ..checkpointing import random_state
+from .callback import TelemetryCallback
+from .core import peak_memory_mib
+from .figures import Window, mfu, worker_figures
+from .record import StepRecord
 
 __all__ = ["MemoryCallback", "WorkerStats", "format_summary", "peak_memory_mib"]
 
@@ -242,7 +242,7 @@ class MemoryCallback(TelemetryCallback):
     Samples/s counts the samples of this worker's batches over the wall time of its training
     steps, validation loops left out; the first step's one-off setup is included. Tokens/s, MFU
     and the seconds per step in collectives are those of the metrics log
-    (:class:`~tango_fairscale.metrics.MetricsLog`) for this worker, over the same time: tokens
+    (:class:`~tango_fairscale.telemetry.metrics.MetricsLog`) for this worker, over the same time: tokens
     of batches with ``input_ids`` or an ``attention_mask``, model FLOPs counted on the run's first
     step, the peak from the table of GPUs or measured on CPU workers: the step telemetry's
     figures (:mod:`tango_fairscale.telemetry`), whose route brings every worker's to the main

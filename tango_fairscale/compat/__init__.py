@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import versions
-from .cpu.collectives import GlooCollectives
+from .. import versions
+from ..cpu.collectives import GlooCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def _install_flat_groups() -> None:
     from fairscale.nn.data_parallel import FullyShardedDataParallel, fully_sharded_data_parallel
     from fairscale.nn.misc import FlattenParamsWrapper
 
-    from .backends.fairscale_fsdp import flat_groups
+    from ..backends.fairscale_fsdp import flat_groups
 
     _require_attributes(fully_sharded_data_parallel, ("FlattenParamsWrapper",), "F7")
     _require_attributes(
@@ -507,7 +507,7 @@ def enable_cpu_fsdp() -> None:
             return
         check_version("fairscale")
         # Imported here, so that importing compat (every process) imports no FairScale piece.
-        from .backends.fairscale_fsdp.cpu_streams import TorchWithCpuStreams, noop_record_stream
+        from ..backends.fairscale_fsdp.cpu_streams import TorchWithCpuStreams, noop_record_stream
 
         fsdp_module, _ = _fairscale_modules()
         if _base_collectives_default is None:
@@ -544,7 +544,7 @@ def disable_cpu_fsdp() -> None:
 
 def _install_bucket_without_stack() -> None:
     """F9: FairScale's reduce-scatter bucket filled chunk by chunk (``bucketing``), on CPU workers."""
-    from .backends.fairscale_fsdp import bucketing
+    from ..backends.fairscale_fsdp import bucketing
 
     bucketer = _fairscale_modules()[1].ReduceScatterBucketer
     _require_attributes(bucketer, ("reduce_scatter_async", "_get_shard_size", "_get_bucket"), "F9")
@@ -634,7 +634,7 @@ def enable_cpu_fsdp2() -> None:
                 "a LoRA worker's heap can grow more, docs/capacity.md)",
             )
             return
-        from .backends.torch_fsdp2 import gathered_memory
+        from ..backends.torch_fsdp2 import gathered_memory
 
         param_module, group_module = _fsdp2_modules()
         originals = (
@@ -1047,7 +1047,7 @@ def _quiet_reported_stops() -> None:
     from tango.common import logging as tango_logging
     from tango.step import Step
 
-    from .launch.signals import STOPPED_HOOKS, TrainingStopped
+    from ..launch.signals import STOPPED_HOOKS, TrainingStopped
 
     _require_attributes(Step, ("log_failure",), "T6")
     _require_attributes(tango_logging, ("_EXCEPTIONS_LOGGED",), "T6")

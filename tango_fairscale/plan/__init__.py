@@ -37,12 +37,12 @@ from tango.integrations.torch import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
-from .config import FSDPConfig
-from .engine import FairScaleTrainingEngine, name_causal_lm_loss
-from .materialize import check_initialisable, parameters_on_meta
-from .pretrained import shapes_only
-from .wrapping import WRAPPER_TYPE, WrapPlan, disable_hf_kv_cache
+from ..backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
+from ..config import FSDPConfig
+from ..engine import FairScaleTrainingEngine, name_causal_lm_loss
+from ..finetune.pretrained import shapes_only
+from ..materialize import check_initialisable, parameters_on_meta
+from ..wrapping import WRAPPER_TYPE, WrapPlan, disable_hf_kv_cache
 
 #: The data step whose ``block_size`` is the sequence length of every training example.
 TOKENIZE_TEXT = "fairscale::tokenize_text"
@@ -778,7 +778,7 @@ def make_plan(
     parameters' dtype) stands in for an optimizer whose state cannot be measured; ``device``
     (``"cpu"`` or ``"cuda"``, default: ``"cuda"`` where this process sees a GPU) is the workers';
     without ``measure`` the step's peak is not measured. A pretrained directory of a ``config.json``
-    alone is planned as one with its weights (:func:`~tango_fairscale.pretrained.shapes_only`).
+    alone is planned as one with its weights (:func:`~tango_fairscale.finetune.pretrained.shapes_only`).
     """
     with shapes_only() as from_config_only:
         plan = _make_plan(

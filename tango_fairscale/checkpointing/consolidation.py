@@ -13,11 +13,11 @@ Both writers mark the file as ``consolidate``'s (a record in its archive), so th
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import checkpointing
-from .backends.base import ModelSource
-from .backends.lookup import backend_of
-from .checkpointing.streaming import save_with_records, stream_save
-from .output_paths import CONSOLIDATED, PT_MARKER_RECORD, marker
+from .. import checkpointing
+from ..backends.base import ModelSource
+from ..backends.lookup import backend_of
+from ..output_paths import CONSOLIDATED, PT_MARKER_RECORD, marker
+from .streaming import save_with_records, stream_save
 
 
 def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:

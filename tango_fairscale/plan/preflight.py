@@ -20,9 +20,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from torch.utils.data import Dataset, IterableDataset
 
-from .plan import TOKENIZE_TEXT, _data_step, _run_step, _with_dependencies
-from .preflight import preflight, uses_fairscale_engine
-from .train_step import with_engine_callbacks
+from ..preflight import preflight, uses_fairscale_engine
+from ..train_step import with_engine_callbacks
+from . import TOKENIZE_TEXT, _data_step, _run_step, _with_dependencies
 
 __all__ = ["PLACEHOLDER_WORK_DIR", "plan_preflight"]
 
