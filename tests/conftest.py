@@ -1,9 +1,11 @@
 """
-The shared toy runs, a one-worker process group, and the random generators restored after every
-test (the markers are registered in pyproject.toml).
+The shared toy runs, the tiny pretrained Llama, a one-worker process group, and the random
+generators restored after every test (the markers are registered in pyproject.toml).
 """
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -128,6 +130,56 @@ class ToyTrain:
 @pytest.fixture(scope="session")
 def toy_train(tmp_path_factory: pytest.TempPathFactory) -> ToyTrain:
     return ToyTrain(tmp_path_factory)
+
+
+class TinyPretrained:
+    """
+    ``tiny_pretrained(config=TINY_LLAMA, seed=3)``: the directory of a Llama of ``config`` (transformers'
+    ``LlamaConfig`` fields) initialised from ``seed`` and saved as transformers saves it
+    (:func:`tests.helpers.save_tiny_llama`), saved once per session for each ``config`` and ``seed``
+    and shared by the tests that ask for the same: read it, never change it (a test that edits or
+    removes its files takes a copy of its own, :func:`tiny_pretrained_copy`). Saving one leaves the
+    caller's CPU random generator as it was.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._factory = tmp_path_factory
+        self._saved: Dict[Tuple[str, int], Path] = {}
+
+    def __call__(self, config: Optional[Dict[str, Any]] = None, seed: int = 3) -> Path:
+        from tests.helpers import TINY_LLAMA, save_tiny_llama
+
+        config = TINY_LLAMA if config is None else config
+        key = (json.dumps(config, sort_keys=True), seed)
+        if key not in self._saved:
+            # The model's seed is its own: the test's generators go on as if nothing had drawn
+            # (a shared model is saved by whichever test asks first).
+            with torch.random.fork_rng(devices=[]):
+                directory = self._factory.mktemp("tiny_pretrained") / "llama"
+                self._saved[key] = save_tiny_llama(directory, config, seed)
+        return self._saved[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> TinyPretrained:
+    return TinyPretrained(tmp_path_factory)
+
+
+#: ``tiny_pretrained_copy(config=TINY_LLAMA, seed=3, name="llama-copy")``: see :func:`tiny_pretrained_copy`.
+TinyPretrainedCopy = Callable[..., Path]
+
+
+@pytest.fixture
+def tiny_pretrained_copy(tiny_pretrained: TinyPretrained, tmp_path: Path) -> TinyPretrainedCopy:
+    """
+    ``tiny_pretrained_copy(config=TINY_LLAMA, seed=3, name="llama-copy")``: a copy of
+    ``tiny_pretrained(config, seed)`` in the test's ``tmp_path / name``, the test's own to edit.
+    """
+
+    def copy(config: Optional[Dict[str, Any]] = None, seed: int = 3, name: str = "llama-copy") -> Path:
+        return Path(shutil.copytree(tiny_pretrained(config, seed), tmp_path / name))
+
+    return copy
 
 
 @pytest.fixture

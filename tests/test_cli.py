@@ -18,6 +18,7 @@ from examples.toy.components import ToyRegressor
 from tango_fairscale import checkpointing
 from tango_fairscale.cli import default_prog, main
 from tests import harness
+from tests.conftest import TinyPretrained
 from tests.helpers import REPO, tango_env, train_config
 
 TOY = "examples.toy.components"
@@ -308,24 +309,22 @@ def _tokenized_config(model: Dict[str, Any], **engine: Any) -> Dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama saved with save_pretrained (config.json and model.safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: A 2-layer Llama wider than the shared tiny one, its LM head its own (transformers' default).
+SMALL_LLAMA: Dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
 
-    directory = tmp_path_factory.mktemp("llama") / "model"
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
+
+@pytest.fixture(scope="module")
+def small_llama(tiny_pretrained: TinyPretrained) -> Path:
+    """A 2-layer Llama saved with save_pretrained (config.json and model.safetensors)."""
+    return tiny_pretrained(SMALL_LLAMA, seed=0)
 
 
 def _wrapped_pretrained(directory: Path) -> Dict[str, Any]:

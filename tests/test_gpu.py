@@ -17,6 +17,7 @@ from examples.toy.components import ToyRegressor
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig
 from tango_fairscale.backends.fairscale_fsdp import resharding
 from tango_fairscale.launch.teardown import close_process_groups
+from tests.conftest import TinyPretrained
 from tests.helpers import free_port, pretrained_name
 from tests.test_amp_cpu import ONE_WORKER_RUNS, one_worker_mixed_precision
 
@@ -228,18 +229,16 @@ def _lora_model(directory: Path) -> Any:
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
 def test_lora_units_train_as_plain_peft_on_the_gpu(
-    train_config: TrainConfig, tmp_path: Path, backend: str, precision: str
+    train_config: TrainConfig, tiny_pretrained: TinyPretrained, backend: str, precision: str
 ) -> None:
     pytest.importorskip("peft")
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from tango_fairscale import with_wrapped_modules
     from tango_fairscale.checkpointing.consolidation import consolidate
     from tests.helpers import TINY_LLAMA
 
-    torch.manual_seed(5)
-    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "llama")
+    llama = tiny_pretrained(TINY_LLAMA, seed=5)
     generator = torch.Generator().manual_seed(1)
     data = []
     for _ in range(4):
@@ -247,7 +246,7 @@ def test_lora_units_train_as_plain_peft_on_the_gpu(
         data.append({"input_ids": tokens, "labels": tokens})
 
     torch.manual_seed(0)
-    plain = _lora_model(tmp_path / "llama").cuda()
+    plain = _lora_model(llama).cuda()
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=0.01)
     expected = []
     for batch in data:
@@ -266,7 +265,7 @@ def test_lora_units_train_as_plain_peft_on_the_gpu(
         train_config,
         Lazy(  # type: ignore[arg-type]
             lambda: with_wrapped_modules(
-                _lora_model(tmp_path / "llama"), wrap_module_classes=["LlamaDecoderLayer"], fsdp_config=fsdp
+                _lora_model(llama), wrap_module_classes=["LlamaDecoderLayer"], fsdp_config=fsdp
             ),
             constructor_extras={},
         ),
@@ -287,7 +286,7 @@ def test_lora_units_train_as_plain_peft_on_the_gpu(
     engine.save_checkpoint(train_config.work_dir / "ckpt", {"training_steps": len(data)})
     dist.barrier()
     full = consolidate(train_config.work_dir / "ckpt")
-    start = load_file(str(tmp_path / "llama" / "model.safetensors"))
+    start = load_file(str(llama / "model.safetensors"))
     base = {pretrained_name(key): value for key, value in full.items()}
     assert all(torch.equal(base[name], start[name]) for name in start)
     assert all(value.abs().sum() > 0 for name, value in full.items() if "lora_B" in name)

@@ -26,7 +26,8 @@ from tango_fairscale.materialize import (
     parameters_on_meta,
 )
 from tests import harness
-from tests.helpers import TINY_LLAMA, build_both, save_tiny_llama, train_config
+from tests.conftest import TinyPretrained
+from tests.helpers import TINY_LLAMA, build_both, train_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -118,9 +119,9 @@ def test_a_model_built_from_scratch_holds_no_parameter_values_before_it_is_mater
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pretrained(tiny_pretrained: TinyPretrained) -> Path:
     """A tiny Llama with tied embeddings, saved as transformers saves it."""
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", LLAMA, seed=3)
+    return tiny_pretrained(LLAMA, seed=3)
 
 
 def test_from_pretrained_draws_no_random_number(pretrained: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from tango.integrations.torch import Model
 
 from tests import harness
+from tests.conftest import TinyPretrained
 from tests.helpers import TINY_LLAMA, max_abs_difference, pretrained_name, train_config
 
 pytest.importorskip("peft")
@@ -348,13 +349,9 @@ FULL_OPTIONS: Dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def biased(tiny_pretrained: TinyPretrained) -> Path:
     """The tiny Llama (head tied to the embedding) with biases on its attention projections."""
-    from tests.helpers import save_tiny_llama
-
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("biased") / "llama", {**LLAMA, "attention_bias": True}, seed=4
-    )
+    return tiny_pretrained({**LLAMA, "attention_bias": True}, seed=4)
 
 
 def _logits_of(model: Any, seed: int) -> torch.Tensor:
@@ -543,7 +540,8 @@ _KILLED_EXPORT = """
 import os, shutil, signal, sys
 from pathlib import Path
 from transformers import AutoModelForCausalLM
-from tango_fairscale import hf_export, with_lora
+from tango_fairscale import with_lora
+from tango_fairscale.finetune import hf_export
 
 model = with_lora(AutoModelForCausalLM.from_pretrained(sys.argv[1]), r=4, target_modules=["q_proj"])
 state = dict(model.state_dict())

@@ -18,12 +18,12 @@ import torch
 from tango_fairscale import cli
 from tango_fairscale.checkpointing import consolidation, pretrained_base
 from tests import harness
+from tests.conftest import TinyPretrained, TinyPretrainedCopy
 from tests.helpers import (
     TINY_LLAMA,
     max_abs_difference,
     pretrained_name,
     readme_command_lines,
-    save_tiny_llama,
     train_config,
 )
 
@@ -98,10 +98,10 @@ def _stored_model_elements(checkpoint: Path, marker: Dict[str, Any]) -> int:
 # The torch backend's run is the same proof on DCP's files: in the extended suite, for make test's time.
 @pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_the_files(
-    backend: str, tmp_path: Path
+    backend: str, tmp_path: Path, tiny_pretrained: TinyPretrained, tiny_pretrained_copy: TinyPretrainedCopy
 ) -> None:
-    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
-    tampered = save_tiny_llama(tmp_path / "llama-tampered", LLAMA, seed=3)
+    pretrained = tiny_pretrained(LLAMA, seed=3)
+    tampered = tiny_pretrained_copy(LLAMA, seed=3, name="llama-tampered")  # one of its files changed below
     plain = harness.Train(experiment(pretrained, backend), tmp_path / "plain")
     killed = harness.Train(experiment(pretrained, backend, KILL_AT), tmp_path / "killed")
     doomed = harness.Train(experiment(tampered, backend, KILL_AT), tmp_path / "doomed")
@@ -200,9 +200,11 @@ def test_a_lora_run_killed_after_a_checkpoint_resumes_exactly_from_adapters_and_
 
 @pytest.mark.extended
 @pytest.mark.parametrize("backend", ["fairscale", "torch"])
-def test_a_lora_checkpoint_resumes_on_another_number_of_workers(backend: str, tmp_path: Path) -> None:
+def test_a_lora_checkpoint_resumes_on_another_number_of_workers(
+    backend: str, tmp_path: Path, tiny_pretrained: TinyPretrained
+) -> None:
     # Only the adapters are in the checkpoint: 3 workers reshard them and read the base from the files.
-    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
+    pretrained = tiny_pretrained(LLAMA, seed=3)
     two = experiment(pretrained, backend)
     two["steps"]["train"].update(train_steps=4, checkpoint_every=2)
     harness.train(two, tmp_path / "two")
@@ -231,7 +233,7 @@ def _frozen_below(pretrained: Path, backend: str, layers: int, steps: int) -> Di
 
 @pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_resuming_with_more_of_the_model_frozen_keeps_what_the_checkpoint_trained(
-    backend: str, tmp_path: Path
+    backend: str, tmp_path: Path, tiny_pretrained: TinyPretrained
 ) -> None:
     """
     Staged freezing: a run trains layers 1 and 2 (layer 0 and the embeddings frozen, read from the
@@ -239,7 +241,7 @@ def test_resuming_with_more_of_the_model_frozen_keeps_what_the_checkpoint_traine
     the first run's trained values in the second's weights.pt and checkpoints; before, they were
     left to the pretrained files (frozen and read from them), and weights.pt reverted it silently.
     """
-    pretrained = save_tiny_llama(tmp_path / "llama", {**LLAMA, "num_hidden_layers": 3}, seed=2)
+    pretrained = tiny_pretrained({**LLAMA, "num_hidden_layers": 3}, seed=2)
     harness.train(_frozen_below(pretrained, backend, layers=1, steps=2), tmp_path / "first")
     second = _frozen_below(pretrained, backend, layers=2, steps=4)
     second["steps"]["train"]["training_engine"]["resume_from_checkpoint"] = str(
@@ -268,7 +270,7 @@ def test_resuming_with_more_of_the_model_frozen_keeps_what_the_checkpoint_traine
 
 @pytest.mark.parametrize("backend", ["torch", "fairscale"])
 def test_a_marker_whose_model_records_were_removed_or_edited_is_refused_in_one_line(
-    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture, tiny_pretrained: TinyPretrained
 ) -> None:
     """
     Removed, the pretrained_base record left a torch-backend checkpoint that consolidated to the
@@ -276,7 +278,7 @@ def test_a_marker_whose_model_records_were_removed_or_edited_is_refused_in_one_l
     """
     import shutil
 
-    pretrained = save_tiny_llama(tmp_path / "llama", LLAMA, seed=3)
+    pretrained = tiny_pretrained(LLAMA, seed=3)
     run = experiment(pretrained, backend)
     run["steps"]["train"].update(train_steps=2, checkpoint_every=2)
     harness.train(run, tmp_path / "run")

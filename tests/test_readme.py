@@ -27,6 +27,7 @@ import torch
 
 from tango_fairscale import cli
 from tests.components import MyModel
+from tests.conftest import TinyPretrained
 from tests.helpers import (
     README,
     REPO,
@@ -135,15 +136,16 @@ def test_include_package_in_tango_yml(tmp_path: Path) -> None:
 FINETUNE_SNIPPET = readme_block_with("jsonnet", "fairscale::with_lora")
 
 
-def test_finetune_snippet_builds_as_the_workers_build_it(tmp_path: Path) -> None:
+def test_finetune_snippet_builds_as_the_workers_build_it(
+    tmp_path: Path, tiny_pretrained: TinyPretrained
+) -> None:
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     from rjsonnet import evaluate_snippet  # the jsonnet Tango reads configs with
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "my-llama")
-    model = FINETUNE_SNIPPET.replace('"/models/my-llama"', json.dumps(str(tmp_path / "my-llama")))
+    my_llama = tiny_pretrained(TINY_LLAMA, seed=0)
+    model = FINETUNE_SNIPPET.replace('"/models/my-llama"', json.dumps(str(my_llama)))
     assert model != FINETUNE_SNIPPET
     # The README's model in the README's training step, on the engine with init_on_meta as it says.
     snippet = re.sub(

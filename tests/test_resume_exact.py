@@ -22,7 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from tango_fairscale.telemetry.flops import KERNEL_AND_COMPOSITE_OPS, FlopMeter
 from tango_fairscale.telemetry.tokens import count_batch
 from tests import harness
-from tests.helpers import TINY_LLAMA, max_abs_difference, save_tiny_llama, train_config
+from tests.conftest import TinyPretrained
+from tests.helpers import TINY_LLAMA, max_abs_difference, train_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,9 +112,9 @@ STEPS, CHECKPOINT_EVERY, KILL_AT = 8, 3, 5
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pretrained(tiny_pretrained: TinyPretrained) -> Path:
     """The tiny Llama, saved as transformers saves it."""
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", LLAMA, seed=3)
+    return tiny_pretrained(LLAMA, seed=3)
 
 
 def experiment(

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -41,6 +41,15 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _complete_checkpoints(workspace: Path) -> List[Path]:
+    """The complete checkpoints of the training step in ``workspace`` (none while it writes its first)."""
+    return [
+        path
+        for path in workspace.glob("cache/TorchTrainStep-*/work/checkpoint_state_step*")
+        if is_complete(path)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -73,12 +82,12 @@ def test_a_signal_stops_every_worker_with_one_line(
     )
     try:
         deadline = time.monotonic() + 240
-        # Past the first checkpoint (step 4), so that the line names one to resume from.
-        while not list((tmp_path / "ws").glob("cache/TorchTrainStep-*/work/checkpoint_state_step4")):
+        # Past the first checkpoint (step 4), complete (its every file and its marker written), so
+        # that the line names one to resume from.
+        while not _complete_checkpoints(tmp_path / "ws"):
             assert main.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "training did not reach its first checkpoint"
             time.sleep(0.2)
-        time.sleep(0.5)
         workers = descendants(main.pid)
         assert len(workers) >= 2, workers  # the 2 workers (and multiprocessing's resource tracker)
         sent = time.monotonic()
@@ -299,7 +308,8 @@ def _newest(work_dir: Path) -> str:
 #: a Ctrl-C (or a scheduler's SIGTERM) in the middle of the write.
 _SIGNALLED_CONSOLIDATE = """
 import os, signal, sys, time
-from tango_fairscale import cli, consolidation
+from tango_fairscale import cli
+from tango_fairscale.checkpointing import consolidation
 original, signum = consolidation.save_model, getattr(signal, sys.argv[1])
 def save_model(source, output, progress=None):
     def after_a_tensor():

@@ -20,7 +20,8 @@ from tango_fairscale.checkpointing import consolidation
 from tango_fairscale.step_result import FinalModelOnMeta, assign_state_dict
 from tests import harness
 from tests.components import TiedLM
-from tests.helpers import REPO, TINY_LLAMA, run_tango, save_tiny_llama, train_work_dir
+from tests.conftest import TinyPretrained
+from tests.helpers import REPO, TINY_LLAMA, run_tango, train_work_dir
 
 BACKENDS = ["fairscale", "torch"]
 
@@ -202,7 +203,7 @@ def test_building_the_step_result_on_meta_leaves_no_heap_behind() -> None:
 
 @pytest.mark.extended
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmData and glibc's malloc: Linux")
-def test_preflight_init_on_meta_check_leaves_no_heap_behind(tmp_path: Path) -> None:
+def test_preflight_init_on_meta_check_leaves_no_heap_behind(tiny_pretrained: TinyPretrained) -> None:
     # 16 layers of the capacity benchmark's Llama (385 MiB of weights): a smaller one did not
     # always leave its holes behind without the fix.
     shape = {
@@ -211,8 +212,8 @@ def test_preflight_init_on_meta_check_leaves_no_heap_behind(tmp_path: Path) -> N
         "num_attention_heads": 12,
         "num_key_value_heads": 4,
     }
-    wide = save_tiny_llama(tmp_path / "wide", {**TINY_LLAMA, **shape, "num_hidden_layers": 16}, seed=0)
-    tiny = save_tiny_llama(tmp_path / "tiny", TINY_LLAMA, seed=0)
+    wide = tiny_pretrained({**TINY_LLAMA, **shape, "num_hidden_layers": 16}, seed=0)
+    tiny = tiny_pretrained(TINY_LLAMA, seed=0)
     weights = (wide / "model.safetensors").stat().st_size
     growth, _ = _growth_over_build("preflight", str(wide), str(tiny), str(weights))
     assert growth < weights / 20, (growth, weights)

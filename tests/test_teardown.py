@@ -11,7 +11,7 @@ import logging
 import logging.handlers
 import subprocess
 import sys
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,9 +80,14 @@ def _finishing_worker(worker: harness.Worker, out: str) -> None:
         sys.stdout = open(out_dir / f"stdout{rank}.txt", "w", buffering=1 << 20)  # noqa: SIM115
         print(f"worker {rank} printed")
         _Cycle(out_dir / f"garbage{rank}.txt")
-        # Work left to an executor, never shut down: a normal exit waits for it.
+        # Work left to an executor, never shut down: a normal exit waits for it. The work goes on
+        # until the exit begins (threading's exit callbacks, run last registered first: this one,
+        # then concurrent.futures', which joins the executor's thread), so it is still pending
+        # when the worker ends; an exit that does not wait ends it with nothing written.
+        exiting = threading.Event()
+        threading._register_atexit(exiting.set)  # type: ignore[attr-defined]
         pending = out_dir / f"pending{rank}.txt"
-        ThreadPoolExecutor(1).submit(lambda: time.sleep(0.5) or pending.write_text("done"))
+        ThreadPoolExecutor(1).submit(lambda: exiting.wait(timeout=60) and pending.write_text("done"))
         return "trained"
 
     train_step.run_worker(original, rank, None, SimpleNamespace(is_distributed=True))
