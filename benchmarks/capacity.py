@@ -6,6 +6,9 @@ Capacity: the largest model that each configuration trains within a per-worker m
     python benchmarks/run.py --capacity ...   (the same)
     python benchmarks/capacity.py --probe-limits   (what RLIMIT_AS and RLIMIT_DATA count)
 
+The published searches keep their results and charts in ``benchmarks/results/`` and their tables
+in ``docs/capacity.md``.
+
 The model family is GPT-2 small's width (768, 12 heads) with a byte vocabulary (257), 64 positions
 and a variable depth: each block adds 7.08 M parameters and nothing else changes, so a depth is a
 clean parameter count. ``--family mlp`` searches a wide residual MLP (width 1024, 8.4 M parameters
@@ -44,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import free_port, host_environment  # noqa: E402
+from benchmarks.common import chart_link, free_port, host_environment  # noqa: E402
 
 BLOCK = "GPT2Block"
 MIB = 2**20
@@ -790,7 +793,8 @@ def mib(value: Optional[float]) -> str:
     return f"{value / MIB:,.0f} MiB" if value is not None else "-"
 
 
-def markdown(data: Dict[str, Any]) -> str:
+def markdown(data: Dict[str, Any], chart_path: str = "../benchmarks/results/capacity.png") -> str:
+    """The page of a capacity run, its chart linked as ``chart_path`` (from the page's folder)."""
     settings, records, budget = data["settings"], data["records"], data["budget_bytes"]
     shape = settings["shape"]
     family = FAMILIES[settings.get("family", "gpt2")]
@@ -901,7 +905,7 @@ def markdown(data: Dict[str, Any]) -> str:
             f"| {mib(fit['parameters'] * 4)} | {mib(fit['peak_rss_bytes'])} "
             f"| {mib(fit['peak_vm_size_bytes'])} |"
         )
-    lines += ["", *targets(records), "", "![parameters trainable per budget](capacity.png)", ""]
+    lines += ["", *targets(records), "", f"![parameters trainable per budget]({chart_path})", ""]
     return "\n".join(lines)
 
 
@@ -1016,7 +1020,9 @@ def chart(data: Dict[str, Any], path: Path) -> None:
 
 def write_outputs(data: Dict[str, Any], args: argparse.Namespace) -> str:
     lora = bool(data["settings"].get("lora"))
-    text = lora_markdown(data) if lora else markdown(data)
+    text = (
+        lora_markdown(data) if lora else markdown(data, chart_link(args.chart, args.markdown, "capacity.png"))
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=2))
@@ -1367,9 +1373,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-trials", type=int, default=6, help="trials per configuration (default 6)")
     parser.add_argument("--max-depth", type=int, default=500, help="the deepest model to try")
     parser.add_argument("--trial-timeout", type=float, default=900, help="seconds allowed per trial")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here, after every trial")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the tables here")
-    parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the results here, after every trial (e.g. benchmarks/results/capacity.json)",
+    )
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="write the tables here (e.g. docs/capacity.md)"
+    )
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="write the PNG chart here (e.g. benchmarks/results/capacity.png)",
+    )
     parser.add_argument("--log", type=Path, default=None, help="append failing trials' output here")
     parser.add_argument(
         "--render", type=Path, default=None, help="no runs: tables and chart from --json output"

@@ -5,6 +5,8 @@ with and without the SHA-256 computed while writing, and verified (re-read and h
 plain loading. Configurations alternate within each round, so both see the same machine state.
 
     python benchmarks/checkpoint_io.py [--world-size 2] [--rounds 3] [--json PATH]
+
+The published run: ``--rounds 5 --json benchmarks/results/checkpoint_io.json`` (docs/benchmarks.md).
 """
 
 import argparse
@@ -95,7 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--json", type=Path, help="write the timings here (e.g. benchmarks/results/checkpoint_io.json)"
+    )
     args = parser.parse_args(argv)
     result = measure(args.world_size, args.rounds)
     seconds = result["seconds"]

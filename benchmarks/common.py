@@ -1,20 +1,36 @@
 """
 What the CPU benchmarks (``run.py``), the GPU mode (``gpu.py``) and the Tango components they run
-(``components.py``) share: the host's description, a free port, and a worker's model-state bytes.
+(``components.py``) share: the host's description, a free port, a worker's model-state bytes, and
+where the measurements go (``RESULTS``) and how a page in docs/ links its chart there.
 Each of those modules imports from here, and none imports another.
 """
 
 import os
 import platform
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Union
 
 import torch
 from tango.integrations.torch import TrainingEngine
 
 from tango_fairscale.launch import free_port
 
-__all__ = ["free_port", "host_environment", "state_bytes"]
+__all__ = ["DOCS", "RESULTS", "chart_link", "free_port", "host_environment", "state_bytes"]
+
+#: Where the benchmarks' measurements (``--json`` records, ``--chart`` PNGs) are kept; the pages that
+#: report them (``--markdown``) are in ``DOCS``.
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS = RESULTS.parent.parent / "docs"
+
+
+def chart_link(chart: Optional[Union[str, Path]], page: Optional[Union[str, Path]], name: str) -> str:
+    """The image link of ``chart`` (default: ``name`` in ``RESULTS``) in a Markdown page at ``page``.
+
+    Relative to the page's folder, or to ``DOCS`` for a page that is only printed.
+    """
+    target = Path(chart).resolve() if chart is not None else RESULTS / name
+    folder = Path(page).resolve().parent if page is not None else DOCS
+    return Path(os.path.relpath(target, folder)).as_posix()
 
 
 def host_environment() -> Dict[str, Any]:

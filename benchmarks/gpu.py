@@ -10,6 +10,8 @@ configuration: peak CUDA memory, median step time, tokens per second and model F
 
     python benchmarks/run.py --gpu [--quick] [--json PATH] [--markdown PATH] [--peak-tflops N]
 
+The published run: ``--json benchmarks/results/benchmarks-gpu.json --markdown docs/benchmarks-gpu.md``.
+
 Each configuration runs in a fresh process, so that the CUDA memory high-water mark and the
 process group are its own. ``--device cpu`` runs the same harness on a CPU worker (gloo), where
 the float32 configurations apply (``fp32``, ``torch_fp32``, ``plain_fp32``): the test suite uses it

@@ -10,6 +10,8 @@ step's checkpoint directory. A LoRA checkpoint holds the adapters, their optimiz
 random and trainer states and the base files' digests; the frozen base is read from the files.
 
     python benchmarks/lora_checkpoint.py [--json PATH] [--markdown PATH] [--layers 12]
+
+The published run: ``--json benchmarks/results/lora-checkpoint.json`` (docs/checkpoints.md quotes it).
 """
 
 import argparse
@@ -152,8 +154,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--json", type=Path, help="write the sizes here (e.g. benchmarks/results/lora-checkpoint.json)"
+    )
+    parser.add_argument("--markdown", type=Path, help="write the table here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="lora-checkpoint-") as scratch_name:
         scratch = Path(scratch_name)

@@ -4,6 +4,8 @@ Loading a pretrained model: each worker's peak memory with and without ``init_on
     python benchmarks/pretrained_memory.py [--quick] [--backends fairscale,torch]
                                            [--model-dir DIR] [--json PATH] [--markdown PATH]
 
+The published run: ``--json benchmarks/results/pretrained-memory.json --markdown docs/pretrained-memory.md``.
+
 A GPT-2 of GPT-2 small's shape (124 M parameters, random weights: nothing can be downloaded) is
 saved with ``save_pretrained`` in ``--model-dir`` (kept and reused when it is there already), then
 fine-tuned through ``tango run`` as a user would, with ``fairscale::from_pretrained`` on 2 CPU
@@ -378,8 +380,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="where the model is saved (default: a temporary directory)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the records here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown page here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the records here (e.g. benchmarks/results/pretrained-memory.json)",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the markdown page here (e.g. docs/pretrained-memory.md)",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run")
     parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
     args = parser.parse_args(argv)

@@ -5,6 +5,9 @@ PyTorch-native FSDP2 through the engine's ``backend: "torch"``), trained side by
 
     python benchmarks/run.py [--quick] [--world-sizes 2,4] [--json PATH] [--markdown PATH] [--chart PATH]
 
+The published runs keep their records and charts in ``benchmarks/results/`` (``--json``,
+``--chart``) and their pages in ``docs/`` (``--markdown``), which link the charts there.
+
 ``python benchmarks/run.py --capacity [...]`` runs ``benchmarks/capacity.py`` instead: the largest
 model each configuration trains within a per-worker memory budget.
 
@@ -36,7 +39,7 @@ TANGO = str(Path(sys.executable).with_name("tango"))
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import free_port, host_environment  # noqa: E402
+from benchmarks.common import chart_link, free_port, host_environment  # noqa: E402
 from benchmarks.gpu import CONFIGS as GPU_CONFIGS  # noqa: E402
 
 MODELS = {
@@ -479,20 +482,13 @@ def markdown(
         "",
         *targets(records, parameters),
         "",
-        # The chart's path relative to the markdown file's folder (both are usually in docs/).
-        f"![memory and step time per configuration]({chart_link(args)})",
+        # The chart's path from the page's folder (usually benchmarks/results/ from docs/).
+        "![memory and step time per configuration]("
+        + chart_link(getattr(args, "chart", None), getattr(args, "markdown", None), "benchmarks.png")
+        + ")",
         "",
     ]
     return "\n".join(lines)
-
-
-def chart_link(args: argparse.Namespace) -> str:
-    chart, page = getattr(args, "chart", None), getattr(args, "markdown", None)
-    if chart is None:
-        return "benchmarks.png"
-    if page is None:
-        return Path(chart).name
-    return os.path.relpath(Path(chart).resolve(), Path(page).resolve().parent)
 
 
 #: (world size, metric, limit, what): what full sharding, one unit per block, must show against DDP
@@ -604,11 +600,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         "(evens out a busy machine's slow spells)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument("--json", type=Path, default=None, help="write the records here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the records here (e.g. benchmarks/results/benchmarks.json)",
+    )
     parser.add_argument(
         "--markdown", type=Path, default=None, help="write the table here (e.g. docs/benchmarks.md)"
     )
-    parser.add_argument("--chart", type=Path, default=None, help="write the PNG chart here")
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="write the PNG chart here (e.g. benchmarks/results/benchmarks.png)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the runs' workspaces")
     parser.add_argument("--note", default=None, help="a note for the top of the markdown page")
     parser.add_argument(

@@ -2,22 +2,25 @@
 The import graph of the ``tango_fairscale`` package, read from the sources (nothing is imported),
 its cycles, and the backends' boundary.
 
-Every import of a package module counts, module-level or inside a function: a function-local
-import hides a cycle from Python but not from the reader. The only imports left out are those
-marked ``# lazy: <why>`` on their line, kept off the import path on purpose (an optional heavy
-dependency such as DCP). Importing ``a.b`` also imports the package ``a`` (its ``__init__``), so
-such an edge counts too.
+Every import of a package module counts, module-level or inside a function, with no escape
+hatch: a function-local import hides a cycle from Python but not from the reader, and one that
+only runs later still ties the two modules together. Importing ``a.b`` also imports the package
+``a`` (its ``__init__``), so such an edge counts too. ``importlib.import_module`` of a literal
+name counts as an import; the backends' lookup names its modules as strings, which is how it
+reaches them without being imported by them.
 
 The boundary: everything that knows a backend's library lives in that backend's folder, behind
-``Backend`` (``backends/base.py``). Outside ``backends/`` and ``compat.py`` (the integration
+``Backend`` (``backends/base.py``). Outside ``backends/`` and ``compat/`` (the integration
 boundary, which patches FairScale), no module imports ``fairscale`` or ``torch.distributed.fsdp``;
 and neither backend's folder imports the other's. Here every import counts: module-level, inside
-a function, under ``TYPE_CHECKING``, marked ``# lazy:`` or not, and ``importlib.import_module`` /
+a function, under ``TYPE_CHECKING``, and ``importlib.import_module`` /
 ``__import__`` of a literal name. A lazy import still runs the library in that process.
 
     python scripts/import_graph.py            # prints the cycles (strongly connected components)
                                               # and the imports across the boundary
     python scripts/import_graph.py --edges    # and every edge
+    python scripts/import_graph.py --layers   # and the folder-level graph (docs/architecture.md,
+                                              # "Layers"): which folder imports which, how often
 
 Exits 1 when there is a cycle or an import across the boundary; CI runs it through
 ``tests/test_architecture.py``.
@@ -27,7 +30,7 @@ import argparse
 import ast
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 PACKAGE = "tango_fairscale"
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,15 +53,12 @@ def _resolve(module: str, is_package: bool, level: int, target: str) -> str:
 
 
 def imports_of(path: Path, modules: Set[str], root: Path = ROOT) -> Iterator[str]:
-    """The package modules ``path`` imports (lines marked ``# lazy:`` left out)."""
+    """The package modules ``path`` imports, at any depth of the file."""
     name = module_name(path, root)
     is_package = path.name == "__init__.py"
     source = path.read_text()
-    lines = source.splitlines()
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        if "# lazy:" in lines[node.lineno - 1]:
             continue
         targets: List[str] = []
         if isinstance(node, ast.Import):
@@ -105,8 +105,8 @@ def _within(name: str, prefix: str) -> bool:
 
 def all_imports_of(path: Path, root: Path = ROOT) -> Iterator[Tuple[int, str]]:
     """
-    ``(line, module)`` for every module ``path`` imports, of the package or not, ``# lazy:`` or
-    not, including ``importlib.import_module("x")`` and ``__import__("x")`` of a literal name.
+    ``(line, module)`` for every module ``path`` imports, of the package or not, at any depth,
+    including ``importlib.import_module("x")`` and ``__import__("x")`` of a literal name.
     ``from a import b`` yields ``a`` and ``a.b`` (``b`` may be a module).
     """
     name = module_name(path, root)
@@ -130,7 +130,7 @@ def all_imports_of(path: Path, root: Path = ROOT) -> Iterator[Tuple[int, str]]:
 def boundary_violations(root: Path = ROOT) -> List[str]:
     """
     One line per import across the backends' boundary (see the module's docstring): a module
-    outside ``backends/`` and ``compat.py`` importing a backend's library, or a backend's folder
+    outside ``backends/`` and ``compat/`` importing a backend's library, or a backend's folder
     importing another backend's.
     """
     found: List[str] = []
@@ -147,7 +147,7 @@ def boundary_violations(root: Path = ROOT) -> List[str]:
                 continue
             if library and not may_import_libraries:
                 found.append(
-                    f"{where}:{line} imports {target}: only backends/ and compat.py may import {library} "
+                    f"{where}:{line} imports {target}: only backends/ and compat/ may import {library} "
                     "(reach a backend through backends/lookup.py and Backend)"
                 )
                 reported.add(line)
@@ -155,6 +155,104 @@ def boundary_violations(root: Path = ROOT) -> List[str]:
                 found.append(f"{where}:{line} imports {target}: a backend does not import another backend")
                 reported.add(line)
     return found
+
+
+#: Where a backend may be named: its own folder, and the lookup that chooses one (both in backends/).
+NAMES_BACKENDS = f"{PACKAGE}.backends"
+
+
+def backend_names(root: Path = ROOT) -> Set[str]:
+    """The backends' names, read from ``backends/lookup.py``'s table (the keys of ``_IMPLEMENTATIONS``)."""
+    tree = ast.parse((root / PACKAGE / "backends" / "lookup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_IMPLEMENTATIONS":
+            assert isinstance(node.value, ast.Dict)
+            return {
+                key.value
+                for key in node.value.keys
+                if isinstance(key, ast.Constant) and isinstance(key.value, str)
+            }
+    raise SystemExit("backends/lookup.py has no _IMPLEMENTATIONS table")
+
+
+def _mentions_backend(node: ast.AST) -> bool:
+    """Whether ``node`` is a name, attribute or ``"backend"`` key that holds a backend's name."""
+    if isinstance(node, ast.Name):
+        return "backend" in node.id.lower()
+    if isinstance(node, ast.Attribute):
+        return "backend" in node.attr.lower()
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "backend"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "backend"
+    return False
+
+
+def _named(node: Optional[ast.AST], names: Set[str]) -> bool:
+    """Whether ``node`` is a backend's name as a literal (or a tuple, list or set of them)."""
+    if isinstance(node, ast.Constant):
+        return node.value in names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_named(element, names) for element in node.elts)
+    return False
+
+
+def backend_name_uses(path: Path, names: Set[str]) -> Iterator[Tuple[int, str]]:
+    """
+    ``(line, what)`` for each place ``path`` decides on a backend's name: a comparison of a
+    backend with a backend's literal name, a backend's name given as a default (``x.get("backend",
+    "fairscale")``, ``backend: str = "fairscale"``, ``def f(backend="torch")``), or assigned to a
+    backend.
+    """
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_mentions_backend(side) for side in sides) and any(_named(side, names) for side in sides):
+                yield node.lineno, "compares a backend with a backend's name"
+        elif isinstance(node, ast.Call) and _mentions_backend(node) and len(node.args) > 1:
+            if _named(node.args[1], names):
+                yield node.lineno, "gives a backend's name as the default of a backend"
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_mentions_backend(t) for t in targets) and _named(node.value, names):
+                yield node.lineno, "assigns a backend's name to a backend"
+        elif (
+            isinstance(node, ast.keyword) and node.arg and "backend" in node.arg and _named(node.value, names)
+        ):
+            yield node.value.lineno, "passes a backend's name as a backend"
+        elif isinstance(node, ast.arguments):
+            positional = [*node.posonlyargs, *node.args]
+            pairs = list(zip(positional[len(positional) - len(node.defaults) :], node.defaults))
+            pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+            for argument, default in pairs:
+                if "backend" in argument.arg and _named(default, names):
+                    yield default.lineno, "gives a backend's name as the default of a backend"
+
+
+def backend_knowledge_outside_backends(root: Path = ROOT) -> Tuple[List[str], int]:
+    """
+    One line per place outside ``backends/`` that names a backend (compares or defaults a
+    backend's name, see :func:`backend_name_uses`) or imports a backend's folder; and how many
+    modules the rule left out (those under ``backends/``, where a backend is named on purpose).
+    """
+    names = backend_names(root)
+    found: List[str] = []
+    exempt = 0
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        name = module_name(path, root)
+        if _within(name, NAMES_BACKENDS):
+            exempt += 1
+            continue
+        where = path.relative_to(root)
+        for line, what in backend_name_uses(path, names):
+            found.append(f"{where}:{line} {what}: ask the backend (backends/lookup.py, Backend)")
+        reported: Set[int] = set()
+        for line, target in all_imports_of(path, root):
+            folder = next((f for f in BACKEND_FOLDERS if _within(target, f)), None)
+            if folder and line not in reported:
+                found.append(f"{where}:{line} imports {target}: reach a backend through backends/lookup.py")
+                reported.add(line)
+    return found, exempt
 
 
 def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
@@ -193,26 +291,89 @@ def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
+#: The group of every module directly in the package (engine, options, wrapping, ...): not a folder.
+CORE = "core"
+
+
+def group_of(name: str, root: Path = ROOT) -> str:
+    """The folder under the package that holds module ``name``, or :data:`CORE` for a top-level one."""
+    parts = name.split(".")
+    if len(parts) > 1 and (root / PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return CORE
+
+
+LayerEdges = Dict[Tuple[str, str], List[Tuple[str, str]]]
+
+
+def layers(edges: Optional[Dict[str, Set[str]]] = None, root: Path = ROOT) -> LayerEdges:
+    """
+    The folder-level graph: for each pair of groups (:func:`group_of`) with an import from one to
+    the other, the module imports that make it, ``(importer, imported)`` without the package name.
+    Importing ``p.x`` also imports ``p``: that edge is left out where the same module imports
+    ``p.x``, so that one import statement counts once. Imports within a group are not listed.
+    """
+    edges = graph(root) if edges is None else edges
+    found: LayerEdges = {}
+    for name in sorted(edges):
+        targets = edges[name]
+        for target in sorted(targets):
+            if any(other.startswith(target + ".") for other in targets):
+                continue  # the enclosing package of another module it imports
+            pair = (group_of(name, root), group_of(target, root))
+            if pair[0] != pair[1]:
+                short = (name[len(PACKAGE) + 1 :], target[len(PACKAGE) + 1 :])
+                found.setdefault(pair, []).append(short)
+    return dict(sorted(found.items()))
+
+
+def format_layers(found: LayerEdges, root: Path = ROOT) -> List[str]:
+    """
+    :func:`layers` as stable text: the top-level modules that make up :data:`CORE`, then one line
+    per group edge with its count of module imports, naming the core modules on the core side.
+    """
+    core = sorted(
+        name[len(PACKAGE) + 1 :] for name in graph(root) if name != PACKAGE and group_of(name, root) == CORE
+    )
+    lines = [f"{CORE} = {', '.join(core)}"]
+    for (source, target), imports in found.items():
+        line = f"{source} -> {target}: {len(imports)}"
+        if CORE in (source, target):
+            side = 0 if source == CORE else 1
+            named = sorted({pair[side] for pair in imports})
+            line += (" by " if side == 0 else " of ") + ", ".join(named)
+        lines.append(line)
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--edges", action="store_true", help="print every edge too")
+    parser.add_argument("--layers", action="store_true", help="print the folder-level graph too")
     args = parser.parse_args()
     edges = graph()
     if args.edges:
         for name in sorted(edges):
             for target in sorted(edges[name]):
                 print(f"{name} -> {target}")
+    if args.layers:
+        for line in format_layers(layers(edges)):
+            print(line)
     found = cycles(edges)
     for component in found:
         print("cycle among: " + ", ".join(component))
     violations = boundary_violations()
     for violation in violations:
         print(violation)
+    named, exempt = backend_knowledge_outside_backends()
+    for line in named:
+        print(line)
     print(
         f"{len(edges)} modules, {sum(len(t) for t in edges.values())} imports, {len(found)} cycle(s), "
-        f"{len(violations)} import(s) across the backends' boundary"
+        f"{len(violations)} import(s) across the backends' boundary, {len(named)} use(s) of a backend's "
+        f"name or module outside backends/ ({exempt} modules under backends/ not checked)"
     )
-    return 1 if found or violations else 0
+    return 1 if found or violations or named else 0
 
 
 if __name__ == "__main__":

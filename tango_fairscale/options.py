@@ -18,6 +18,7 @@ from tango.common.exceptions import ConfigurationError
 from .backends.lookup import BACKENDS, DEFAULT_BACKEND, backend_class
 from .config import FSDPConfig
 from .cpu.threads import available_cores
+from .fsdp_options import FSDPOptions
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def check_distributed(distributed: bool, device_count: int) -> None:
 
 
 def check_backend(
-    backend: Any, fsdp_config: Optional[FSDPConfig], where: str = f"{_PREFIX}fsdp_config"
+    backend: Any, fsdp_config: Optional[FSDPOptions], where: str = f"{_PREFIX}fsdp_config"
 ) -> None:
     """The backend's name, and every ``fsdp_config`` field that the backend cannot honour."""
     if backend not in BACKENDS:

@@ -15,8 +15,8 @@ import torch.nn as nn
 from tango.integrations.torch import Model
 
 from .compiling import CompileConfig, compile_config, innermost
-from .config import FSDPConfig
 from .errors import WrapConfigurationError
+from .fsdp_options import FSDPOptions
 from .registry import register_model_constructor
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class WrapPlan:
     fsdp: bool
     """Whether the selected submodules become FSDP units (an ``fsdp_config`` was given)."""
 
-    unit_config: Optional[FSDPConfig] = None
+    unit_config: Optional[FSDPOptions] = None
     """The units' FSDP options (``with_wrapped_modules.fsdp_config``); ``None``: FairScale's defaults."""
 
     offload_activations: bool = False
@@ -270,7 +270,7 @@ class WrapPlan:
         min_num_params: Optional[int] = None,
         activation_checkpointing: bool = False,
         fsdp: bool = True,
-        unit_config: Optional[FSDPConfig] = None,
+        unit_config: Optional[FSDPOptions] = None,
         offload_activations: bool = False,
         compile: Optional[CompileConfig] = None,
     ) -> "WrapPlan":
@@ -336,7 +336,7 @@ class WrapPlan:
 def with_wrapped_modules(
     model: Model,
     modules_to_wrap: Optional[Set[str]] = None,
-    fsdp_config: Optional[FSDPConfig] = None,
+    fsdp_config: Optional[FSDPOptions] = None,
     activation_checkpointing: bool = False,
     *,
     wrap_module_classes: Optional[List[str]] = None,

@@ -1,6 +1,5 @@
 """The package's shape: no import cycle, one seam between the engine and the backends, one set of defaults."""
 
-import ast
 import inspect
 import subprocess
 import sys
@@ -27,7 +26,9 @@ def test_no_import_cycle() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 cycle(s), 0 import(s) across the backends' boundary" in result.stdout
+    assert (
+        "0 cycle(s), 0 import(s) across the backends' boundary, 0 use(s) of a backend's name" in result.stdout
+    )
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
@@ -52,8 +53,8 @@ def test_the_boundary_check_finds_every_kind_of_crossing(tmp_path: Path) -> None
         "backends/fairscale_fsdp/backend.py": "import fairscale.nn\nfrom ..base import Backend\n",
         "backends/torch_fsdp2/__init__.py": "",
         "backends/torch_fsdp2/backend.py": "from torch.distributed.fsdp import fully_shard\n",
-        # Crossings: at module level, inside a function (marked lazy too), by importlib, by parts.
-        "config.py": "def wrap():\n    from fairscale.nn.data_parallel import FSDP  # lazy: no\n",
+        # Crossings: at module level, inside a function, by importlib, by parts.
+        "config.py": "def wrap():\n    from fairscale.nn.data_parallel import FSDP  # when called\n",
         "materialize.py": "import torch.distributed.fsdp._fully_shard as f\n",
         "multihost.py": "import importlib\nimportlib.import_module('fairscale.nn')\n",
         "plan.py": "from torch.distributed import fsdp\n",
@@ -74,24 +75,48 @@ def test_the_boundary_check_finds_every_kind_of_crossing(tmp_path: Path) -> None
         "tango_fairscale/plan.py:1",
     ], found
     assert "a backend does not import another backend" in found[0] and "fairscale_fsdp" in found[1]
-    assert "only backends/ and compat.py may import fairscale" in found[2]
+    assert "only backends/ and compat/ may import fairscale" in found[2]
     assert "may import torch.distributed.fsdp" in found[3] and "may import torch.distributed.fsdp" in found[5]
 
 
-def test_the_engine_has_no_backend_branch() -> None:
-    source = (REPO / "tango_fairscale" / "engine.py").read_text()
-    assert "backend ==" not in source and "backend !=" not in source
-    # Nothing of either implementation is imported: the engine reaches them through the interface.
-    imported = [
-        node.module or "" if isinstance(node, ast.ImportFrom) else alias.name
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    ]
-    for module in imported:
-        assert not module.startswith(
-            ("fairscale", "torch.distributed.fsdp", "backends.torch_fsdp2", "backends.fairscale_fsdp")
-        ), module
+def test_no_module_outside_the_backends_names_a_backend() -> None:
+    # The whole package: no comparison with, or default of, a backend's name, and no import of a
+    # backend's folder, outside backends/ (where lookup.py chooses one).
+    found, exempt = import_graph.backend_knowledge_outside_backends()
+    assert found == []
+    assert exempt == len(list((REPO / "tango_fairscale" / "backends").rglob("*.py")))
+
+
+def test_the_backend_name_rule_finds_every_kind_of_use(tmp_path: Path) -> None:
+    sources = {
+        "__init__.py": "",
+        "backends/__init__.py": "",
+        "backends/lookup.py": "_IMPLEMENTATIONS: dict = {'fairscale': 'a:A', 'torch': 'b:B'}\n",
+        # Allowed: a backend names itself, lookup chooses one, the engine type "fairscale" is no backend.
+        "backends/fairscale_fsdp/__init__.py": "",
+        "backends/fairscale_fsdp/backend.py": "name = 'fairscale'\nif backend == 'fairscale': pass\n",
+        "engine.py": "if engine_type == 'fairscale': pass\nfrom .backends.lookup import backend_class\n",
+        # Uses: compared, in a tuple, defaulted by get, a dataclass default, an argument default,
+        # a keyword, an import of a backend's folder inside a function.
+        "plan.py": (
+            "if plan.backend == 'fairscale': pass\n"
+            "if options['backend'] in ('torch', 'x'): pass\n"
+            "backend = engine.get('backend', 'fairscale')\n"
+            "class P:\n    backend: str = 'torch'\n"
+            "def f(x, backend='fairscale'): pass\n"
+            "make(backend='torch')\n"
+            "def g():\n    from .backends.fairscale_fsdp import bucketing\n"
+        ),
+    }
+    for name, source in sources.items():
+        path = tmp_path / "tango_fairscale" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    found, exempt = import_graph.backend_knowledge_outside_backends(tmp_path)
+    lines = [1, 2, 3, 5, 6, 7, 9]  # 4 and 8 open a class and a function
+    assert [line.split(" ")[0] for line in found] == [f"tango_fairscale/plan.py:{n}" for n in lines]
+    assert exempt == 4
+    assert "imports tango_fairscale.backends.fairscale_fsdp" in found[-1]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

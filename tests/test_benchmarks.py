@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from benchmarks.common import DOCS, RESULTS, chart_link
 from benchmarks.gpu import MODELS, matmul_parameters, peak_tflops_for, training_flops_per_token
 from benchmarks.run import CONFIGS, GRAD_ACCUM, experiment
 from tests.helpers import REPO
@@ -242,9 +244,28 @@ def test_peak_tflops_table() -> None:
     assert peak_tflops_for("Some Future Accelerator") is None
 
 
+def test_pages_in_docs_link_the_results_kept_beside_the_benchmarks() -> None:
+    """The records and charts are in benchmarks/results/, each named by a page of docs/ or its README."""
+    assert sorted(p.name for p in DOCS.iterdir() if p.suffix in (".json", ".png")) == []
+    pages = {page: page.read_text() for page in DOCS.glob("*.md")}
+    for page, text in pages.items():
+        for target in re.findall(r"\]\(([^)#\s]+)\)", text):
+            if not re.match(r"[a-z]+:", target):
+                assert (page.parent / target).exists(), f"{page.name} links {target}, which is not there"
+    named = "\n".join([*pages.values(), (RESULTS / "README.md").read_text()])
+    results = [p.name for p in RESULTS.iterdir() if p.name != "README.md"]
+    assert results and not [name for name in results if name.split(".")[0] not in named]
+    # A page in docs/ links a chart here; one written beside its chart links it by name.
+    assert chart_link(None, None, "benchmarks.png") == "../benchmarks/results/benchmarks.png"
+    assert chart_link(None, DOCS / "benchmarks.md", "x.png") == "../benchmarks/results/x.png"
+    assert chart_link(RESULTS / "c.png", DOCS / "c.md", "x.png") == "../benchmarks/results/c.png"
+    assert chart_link(DOCS / "c.png", DOCS / "c.md", "x.png") == "c.png"
+
+
 def test_published_backends_table_reports_mfu_with_its_peak() -> None:
-    """docs/benchmarks-backends.md: MFU of DDP and both backends at 2 workers, the peak and its command."""
-    data = json.loads((REPO / "docs" / "benchmarks-backends.json").read_text())
+    """docs/benchmarks-backends.md (its records: benchmarks/results/): MFU of DDP and both backends at
+    2 workers, the peak and its command."""
+    data = json.loads((RESULTS / "benchmarks-backends.json").read_text())
     page = (REPO / "docs" / "benchmarks-backends.md").read_text()
     peak = data["peak"]
     assert (

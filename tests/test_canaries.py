@@ -1,5 +1,5 @@
 """
-Canaries: for every patch of ``tango_fairscale/compat/__init__.py`` (the table in ``docs/architecture.md``,
+Canaries: for every patch of ``tango_fairscale/compat/`` (the table in ``docs/architecture.md``,
 "The integration boundary"), a test that the upstream defect the patch works around, or the
 upstream behaviour it changes or depends on, is still there on the installed releases, shown
 on the upstream code as it is without the patch. When a release of torch, FairScale, Tango,
@@ -40,7 +40,8 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel, fully_sharded_d
 from tango.common.exceptions import ConfigurationError
 
 from tango_fairscale import compat
-from tests.helpers import REPO, TINY_LLAMA, Command, ConcurrentProcesses, free_port, save_tiny_llama
+from tests.conftest import TinyPretrained
+from tests.helpers import REPO, TINY_LLAMA, Command, ConcurrentProcesses, free_port
 
 #: Every patch ID of the table in docs/architecture.md, in its order: each has one canary here
 #: (``test_canary_<ID>_...``), which test_every_patch_in_the_table_has_a_canary checks.
@@ -366,7 +367,7 @@ def test_canary_F5_fairscale_recomputes_without_cpu_autocast() -> None:
     bfloat16 autocast. (Its CUDA half, bfloat16 re-entered as float16, needs a GPU: not shown here.)"""
     # The installed module's two functions are F5's: a fresh copy of FairScale's module has its own.
     fairscale_checkpoint = _fresh_module_copy("fairscale.nn.checkpoint.checkpoint_activations")
-    assert fairscale_checkpoint.is_autocast_enabled is not compat._autocast_state
+    assert fairscale_checkpoint.is_autocast_enabled is not compat.fairscale_patches._autocast_state
     seen: List[Tuple[bool, bool]] = []
 
     class Recording(nn.Linear):
@@ -433,7 +434,7 @@ def test_canary_F8_fairscale_frees_gathered_parameters_after_the_flat_gradient(
 ) -> None:
     """F8: FairScale frees a unit's gathered flat parameter in its post-backward hook, on the gradient
     accumulator, so only after autograd has assembled the views' gradients into the flat gradient."""
-    from tango_fairscale.backends.fairscale_fsdp.flat_groups import FlattenTrainableApart
+    from tango_fairscale.compat.fairscale_flat_groups import FlattenTrainableApart
 
     unit = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), compute_device=CPU)
     wrappers = [m for m in unit.modules() if isinstance(m, FlattenTrainableApart)]
@@ -564,8 +565,9 @@ def test_canary_T1_tangos_workers_reimport_only_the_included_modules(
     from tango.common import util as tango_util
     from tango.integrations.torch import train as tango_train
 
-    assert compat._original_train_worker is not None
-    monkeypatch.setattr(tango_train, "_train", compat._original_train_worker)  # T2 not in effect
+    original_worker = compat.tango_patches._original_train_worker
+    assert original_worker is not None
+    monkeypatch.setattr(tango_train, "_train", original_worker)  # T2 not in effect
     # As in a process that imported the package with a plain import (no `-i tango_fairscale`).
     monkeypatch.setattr(tango_util, "_extra_imported_modules", set())
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -581,7 +583,7 @@ def test_canary_T1_tangos_workers_reimport_only_the_included_modules(
         _tangos_step_function()(
             _step_like(tmp_path / "work"), *_tangos_train_arguments(), train_steps=1, devices=[-1, -1]
         )
-    assert spawned["fn"] is compat._original_train_worker and spawned["nprocs"] == 2
+    assert spawned["fn"] is original_worker and spawned["nprocs"] == 2
     include_package = spawned["args"][-1]
     assert isinstance(include_package, set), spawned["args"]
     if include_package != tango_util.get_extra_imported_modules():
@@ -599,7 +601,7 @@ def tangos_one_device_run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str,
     """
     from tango.integrations.torch import train as tango_train
 
-    original_worker = compat._original_train_worker
+    original_worker = compat.tango_patches._original_train_worker
     assert original_worker is not None
     calls: Dict[str, List[Any]] = {"workers": [], "loads": []}
 
@@ -1025,7 +1027,8 @@ def test_canary_P1_nn_init_functions_return_at_once_on_meta() -> None:
     and ``sparse_`` return at once on a meta tensor (2.13, 2.15), a build on meta without P1's
     stand-ins differs from the eager one; on 2.11 they run on meta, and P1 takes over none."""
     init = torch.nn.init
-    assert nn.Module.register_parameter is compat._original_register_parameter  # P1 not in effect
+    # P1 not in effect:
+    assert nn.Module.register_parameter is compat.torch_patches._original_register_parameter
     assert not any(hasattr(getattr(init, name), "__wrapped__") for name in compat.META_SKIPPING_INITIALISERS)
     registered: List[str] = []
     original = nn.Module.register_parameter
@@ -1061,8 +1064,8 @@ def test_canary_P1_nn_init_functions_return_at_once_on_meta() -> None:
             nn.init.sparse_(self.sparse, 0.5)
 
     taken = compat.meta_skipping_initialisers()  # what P1 takes over on this release
-    saved = compat._meta_skipping
-    compat._meta_skipping = ()
+    saved = compat.torch_patches._meta_skipping
+    compat.torch_patches._meta_skipping = ()
     try:
         eager, built = build_both(ByTheFour, lambda model: materialize_module(model, CPU))
     except (AssertionError, ConfigurationError):
@@ -1071,7 +1074,7 @@ def test_canary_P1_nn_init_functions_return_at_once_on_meta() -> None:
         expected = eager.state_dict()
         differs = any(not torch.equal(value, expected[name]) for name, value in built.state_dict().items())
     finally:
-        compat._meta_skipping = saved
+        compat.torch_patches._meta_skipping = saved
     if differs:
         assert taken, (
             f"P1 takes over none of {compat.META_SKIPPING_INITIALISERS}, and a build without differs"
@@ -1113,7 +1116,9 @@ def test_canary_H1_transformers_modeling_utils_lacks_conv1d(fresh_report: Dict[s
     assert "Conv1D" in h1["error"], h1
 
 
-def test_canary_H2_from_pretrained_on_meta_parameters_loses_the_weights(tmp_path: Path) -> None:
+def test_canary_H2_from_pretrained_on_meta_parameters_loses_the_weights(
+    tiny_pretrained: TinyPretrained,
+) -> None:
     """H2: unrouted, ``transformers``' ``from_pretrained`` in a build on meta (P1 active) does not give the
     pretrained weights (the table: lost to parameters on meta; on 4.57.6 a TypeError where its empty-weights
     ``register_empty_parameter`` re-creates a meta parameter with P1's attribute as a keyword)."""
@@ -1125,7 +1130,7 @@ def test_canary_H2_from_pretrained_on_meta_parameters_loses_the_weights(tmp_path
     from_pretrained = PreTrainedModel.__dict__["from_pretrained"].__func__
     if getattr(from_pretrained, "_tango_fairscale", False):
         from_pretrained = from_pretrained.__wrapped__
-    directory = save_tiny_llama(tmp_path / "llama", TINY_LLAMA, seed=3)
+    directory = tiny_pretrained(TINY_LLAMA, seed=3)
     saved = load_file(str(directory / "model.safetensors"))
     # Outside a build on meta, transformers' own loads the saved weights exactly.
     loaded = from_pretrained(LlamaForCausalLM, directory).state_dict()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
 from tango_fairscale import compat
-from tango_fairscale.backends.fairscale_fsdp import cpu_streams as streams
+from tango_fairscale.compat import fairscale_cpu_streams as streams
 from tango_fairscale.cpu import collectives, memory
 from tango_fairscale.launch.teardown import close_process_groups
 
@@ -182,7 +182,7 @@ def test_unsupported_versions_are_refused(monkeypatch) -> None:  # type: ignore[
 def test_every_torch_release_in_the_range_is_supported(found: str, supported: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # The range is pyproject.toml's: no release inside it is refused as a whole.
     monkeypatch.delenv(compat.SKIP_VERSION_CHECK_VARIABLE, raising=False)
-    monkeypatch.setattr(compat.torch, "__version__", found)
+    monkeypatch.setattr(torch, "__version__", found)
     if supported:
         compat.check_version("torch")
     else:
@@ -201,7 +201,7 @@ def test_missing_attribute_is_refused_before_patching() -> None:
     with pytest.raises(
         compat.IncompatibleVersionError, match=r"patch F9 rebinds fairscale.somewhere.\['dist'\]"
     ):
-        compat._require_attributes(module, ["dist"], "F9")
+        compat.checks._require_attributes(module, ["dist"], "F9")
 
 
 def test_checkpoint_autocast_patch_restores_cpu_bfloat16() -> None:
@@ -270,7 +270,7 @@ def test_mixed_precision_root_casts_inputs_to_its_compute_dtype() -> None:
 def test_p1s_probe_of_the_initialisers_draws_no_random_number(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # sparse_ draws a permutation on the CPU even for a meta tensor: a probe that moved the
     # generator put every init_on_meta build after it out of step with the eager one (torch 2.11).
-    monkeypatch.setattr(compat, "_meta_skipping", None)
+    monkeypatch.setattr(compat.torch_patches, "_meta_skipping", None)
     torch.manual_seed(3)
     before = torch.random.get_rng_state()
     taken = compat.meta_skipping_initialisers()
@@ -287,8 +287,10 @@ def test_a_wrapped_function_whose_parameters_changed_is_refused() -> None:
     with pytest.raises(
         compat.IncompatibleVersionError, match=r"patch F9 wraps .*'extra'\] on this installation"
     ):
-        compat._require_signature(reduce_scatter_async, ("self", "input_list", "group", "callback_fn"), "F9")
-    compat._require_signature(
+        compat.checks._require_signature(
+            reduce_scatter_async, ("self", "input_list", "group", "callback_fn"), "F9"
+        )
+    compat.checks._require_signature(
         lambda self, input_list, group, callback_fn: None,
         ("self", "input_list", "group", "callback_fn"),
         "F9",

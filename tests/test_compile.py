@@ -43,7 +43,8 @@ def _experiment(backend: str, wrap: str, compile: Any) -> Dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("wrap", ["nested", "nested_ckpt"])
+# Plain nested units compile in make test too, with gradient accumulation and a resume (below).
+@pytest.mark.parametrize("wrap", [pytest.param("nested", marks=pytest.mark.extended), "nested_ckpt"])
 def test_a_compiled_run_ends_as_the_eager_one(backend: str, wrap: str, tmp_path: Path) -> None:
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     results = harness.run(
@@ -144,3 +145,74 @@ def test_a_compiled_lora_run_with_checkpointing_ends_as_the_eager_one(
     b = torch.load(tmp_path / "compiled" / "weights.pt", weights_only=True)
     difference = max_abs_difference(a, b)
     assert difference <= TOLERANCE, difference
+
+
+def test_compiled_with_gradient_accumulation_killed_and_resumed_ends_as_the_eager_run(tmp_path: Path) -> None:
+    """
+    Gradient accumulation (2 micro-batches, the first under ``no_sync``) and a kill after the
+    step-2 checkpoint: the compiled run resumed ends within 1e-5 of the uninterrupted eager run on
+    both backends, and the resumed process compiles again (its metrics log says how long).
+    """
+
+    def experiment(backend: str, compile: bool) -> Dict[str, Any]:
+        config = _experiment(backend, "nested", True if compile else None)
+        train = config["steps"]["train"]
+        train.update(checkpoint_every=2, grad_accum=2)
+        if compile:
+            train["callbacks"] = [{"type": "test::kill_once", "step": 3}]
+        return config
+
+    plain = {b: harness.Train(experiment(b, False), tmp_path / f"{b}-eager") for b in BACKENDS}
+    killed = {b: harness.Train(experiment(b, True), tmp_path / f"{b}-compiled") for b in BACKENDS}
+    reruns = harness.killed_and_rerun(plain, killed, tmp_path)
+    for backend in BACKENDS:
+        resumed = killed[backend].work_dir
+        assert (
+            "Recovering from previous run at " + str(resumed / "checkpoint_state_step2")
+            in reruns[backend].logs
+        )
+        lines = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+        compiles = [(line["step"], line["compile_s"]) for line in lines if "compile_s" in line]
+        print(f"[{backend}] compile time on the metrics log's lines (step, s): {compiles}")
+        # The first process compiled on step 2, the resumed one again on its first step after the
+        # FLOP count's (step 4: step 3 is its first, run eagerly under the count).
+        assert [step for step, _ in compiles][:1] == [2] and compiles[-1][0] == 4, compiles
+        eager = torch.load(plain[backend].work_dir / "weights.pt", weights_only=True)
+        compiled = torch.load(resumed / "weights.pt", weights_only=True)
+        difference = max_abs_difference(eager, compiled)
+        assert difference <= TOLERANCE, (backend, difference)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_in_bfloat16_mixed_precision_strays_from_eager_less_than_bfloat16_from_float32(
+    backend: str, tmp_path: Path
+) -> None:
+    """
+    AMP in bfloat16 with FSDP's bfloat16 mixed precision (the GPU recipe's precision) on CPU
+    workers: compiled and eager differ by rounding (inductor fuses what eager rounds after each
+    operator), so the bound is the precision's own: the compiled run ends no farther from the eager
+    one than the eager bfloat16 run ends from float32.
+    """
+
+    def experiment(mixed: bool, compile: bool) -> Dict[str, Any]:
+        config = _experiment(backend, "nested", True if compile else None)
+        train = config["steps"]["train"]
+        if mixed:
+            train["training_engine"].update(amp=True, amp_use_bfloat16=True)
+            train["training_engine"]["fsdp_config"] = {"mixed_precision": True}
+            train["model"]["fsdp_config"] = {"mixed_precision": True}
+        return config
+
+    runs = {"float32": (False, False), "eager": (True, False), "compiled": (True, True)}
+    results = harness.run(
+        [harness.Train(experiment(*options), tmp_path / name) for name, options in runs.items()],
+        out=tmp_path / "harness",
+    )
+    for result in results:
+        result.check()
+    weights = {name: torch.load(tmp_path / name / "weights.pt", weights_only=True) for name in runs}
+    compiled_from_eager = max_abs_difference(weights["compiled"], weights["eager"])
+    eager_from_float32 = max_abs_difference(weights["eager"], weights["float32"])
+    print(f"[{backend}] compiled - eager {compiled_from_eager:.3g}, eager - float32 {eager_from_float32:.3g}")
+    assert 0 < eager_from_float32 and compiled_from_eager <= eager_from_float32

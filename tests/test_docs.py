@@ -3,18 +3,22 @@
 import inspect
 import json
 import re
-from typing import Set
+from typing import Dict, Set
 
 from tango.integrations.torch import TrainCallback
 
+from scripts import import_graph
 from tango_fairscale import FairScaleTrainingEngine, FSDPConfig, with_wrapped_modules
 from tango_fairscale.finetune.lora import with_lora
+from tango_fairscale.fsdp_options import FSDPOptions
 from tests.helpers import REPO
 
 #: The configuration reference, which the README points to.
 REFERENCE = (REPO / "docs" / "configuration.md").read_text()
 #: Watching a run: the metrics log and the callbacks.
 MONITORING = (REPO / "docs" / "monitoring.md").read_text()
+#: Which module owns what, the layers, and the one table of patches.
+ARCHITECTURE = (REPO / "docs" / "architecture.md").read_text()
 
 
 def section_fields(heading: str) -> Set[str]:
@@ -47,7 +51,7 @@ def test_lora_parameters() -> None:
 
 
 def test_every_config_field_has_a_docstring() -> None:
-    source = inspect.getsource(FSDPConfig)
+    source = inspect.getsource(FSDPOptions)
     for name in FSDPConfig.field_names():
         assert re.search(rf"^    {name}: .*\n    \"\"\"\n", source, flags=re.MULTILINE), name
 
@@ -65,15 +69,59 @@ def test_architecture_lists_every_module() -> None:
 
 
 def test_every_patch_has_a_row_in_the_one_patch_table() -> None:
-    """Each patch ID compat.py names (F1, T2, ...) is a row of docs/architecture.md's table, the one list."""
+    """
+    Each patch ID any module of compat/ names (F1, T2, S1, F10, ...) is a row of
+    docs/architecture.md's table, the one list, and each row names its upstream issue (or says
+    that none was found).
+    """
     from tango_fairscale import compat
 
-    table = set(
-        re.findall(r"^\| ([A-Z]\d) \|", (REPO / "docs" / "architecture.md").read_text(), flags=re.MULTILINE)
+    rows = {}
+    for line in ARCHITECTURE.splitlines():
+        match = re.match(r"^\| ([A-Z]\d+) \|", line)
+        if match:
+            rows[match.group(1)] = [cell.strip() for cell in line.strip().strip("|").split("|")]
+    named = {
+        patch
+        for path in sorted((REPO / "tango_fairscale" / "compat").glob("*.py"))
+        for patch in re.findall(r"\b([FTWDPHS]\d+)\b", path.read_text())
+    }
+    assert named and not named - set(rows), (
+        f"patches without a row in docs/architecture.md: {named - set(rows)}"
     )
-    named = set(re.findall(r"\b([FTWDPH]\d)\b", inspect.getsource(compat)))
-    assert named and not named - table, f"patches without a row in docs/architecture.md: {named - table}"
+    for patch, cells in rows.items():
+        assert len(cells) == 5, f"{patch}: patch | target | installed by | what and why | upstream"
+        assert cells[-1], f"{patch}: the upstream cell is empty (write 'none found' if none was)"
     assert "docs/architecture.md" in (compat.__doc__ or "")
+
+
+def test_the_layers_table_is_the_import_graph() -> None:
+    """docs/architecture.md's "Layers" table lists exactly the folder-level imports of the package."""
+    section = ARCHITECTURE[ARCHITECTURE.index("## Layers") :]
+    section = section[: section.index("\n## ")]
+    documented: Dict[str, Set[str]] = {}
+    holds: Dict[str, str] = {}
+    for line in section.splitlines():
+        match = re.match(r"^\| `(\w+)` \|", line)
+        if match:
+            _, what, imports = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            documented[match.group(1)] = set(re.findall(r"`(\w+)`", imports))
+            holds[match.group(1)] = what
+    edges = import_graph.graph()
+    actual: Dict[str, Set[str]] = {import_graph.group_of(name): set() for name in edges}
+    for source, target in import_graph.layers(edges):
+        actual[source].add(target)
+    assert documented == actual, (
+        "docs/architecture.md's Layers table differs from `python scripts/import_graph.py --layers`"
+    )
+    core = {
+        name.rsplit(".", 1)[-1]
+        for name in edges
+        if name != import_graph.PACKAGE and import_graph.group_of(name) == import_graph.CORE
+    }
+    assert core == set(re.findall(r"`(\w+)`", holds[import_graph.CORE])), (
+        "the core row lists each top-level module"
+    )
 
 
 def test_watching_a_run_lists_each_callback_and_its_options() -> None:

@@ -21,9 +21,10 @@ from tango.integrations.torch.util import set_seed_all
 from torch.profiler import ProfilerActivity, profile
 
 from tango_fairscale.backends.fairscale_fsdp.bucketing import sufficient_bucket_cap_mb
-from tango_fairscale.backends.fairscale_fsdp.flat_groups import FlattenTrainableApart
+from tango_fairscale.compat.fairscale_flat_groups import FlattenTrainableApart
 from tests import harness
-from tests.helpers import TINY_LLAMA, peak_allocated_bytes, save_tiny_llama, train_config
+from tests.conftest import TinyPretrained
+from tests.helpers import TINY_LLAMA, peak_allocated_bytes, train_config
 
 WIDTH, BLOCKS, STEPS = 1024, 3, 3
 #: One unit's flat parameter, gathered: the block's Linear (WIDTH^2 + WIDTH) and LayerNorm (2 WIDTH).
@@ -225,7 +226,9 @@ def train_lora(worker: harness.Worker, pretrained: str, work_dir: str) -> Dict[s
     return {"units": len(units), "hooks": hooks, "gathered_frozen": gathered_frozen}
 
 
-def test_no_frozen_release_hook_outlives_its_backward(tmp_path: Path) -> None:
+def test_no_frozen_release_hook_outlives_its_backward(
+    tiny_pretrained: TinyPretrained, tmp_path: Path
+) -> None:
     """
     F7 releases a unit's frozen parameters from a multi-grad hook on the unit's inputs. torch's
     hook holds the inputs' autograd nodes, which hold the hook: left registered, each step's
@@ -239,7 +242,7 @@ def test_no_frozen_release_hook_outlives_its_backward(tmp_path: Path) -> None:
     handle = torch.autograd.graph.register_multi_grad_hook([leaf * 2], lambda grads: None)
     assert live_multi_grad_hooks() > before
     handle.remove()
-    pretrained = save_tiny_llama(tmp_path / "llama", {**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
+    pretrained = tiny_pretrained({**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
     (result,) = harness.run(
         [harness.Call(train_lora, (str(pretrained), str(tmp_path / "work")))], out=tmp_path / "out"
     )
@@ -271,14 +274,16 @@ def compare_lora_buckets(worker: harness.Worker, pretrained: str, work_dir: str)
     }
 
 
-def test_the_bucket_is_no_larger_than_the_gradients_it_holds(tmp_path: Path) -> None:
+def test_the_bucket_is_no_larger_than_the_gradients_it_holds(
+    tiny_pretrained: TinyPretrained, tmp_path: Path
+) -> None:
     """
     FairScale allocates its bucket whole (25 MiB and a 12.5 MiB output at 2 workers) for the
     KiBs of a LoRA model's adapter gradients. The backend's bucket holds them all at once, as
     FairScale's did: the same losses and shards, bit for bit, and the unused MiBs less at the
     peak of every backward.
     """
-    pretrained = save_tiny_llama(tmp_path / "llama", {**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
+    pretrained = tiny_pretrained({**TINY_LLAMA, "num_hidden_layers": LORA_LAYERS}, seed=3)
     (result,) = harness.run(
         [harness.Call(compare_lora_buckets, (str(pretrained), str(tmp_path / "work")))], out=tmp_path / "out"
     )

@@ -1,5 +1,5 @@
 """
-Patch S1 (``compat.enable_cpu_fsdp2``, ``backends/torch_fsdp2/gathered_memory.py``): FSDP2's
+Patch S1 (``compat.enable_cpu_fsdp2``, ``compat/fsdp2_gathered_memory.py``): FSDP2's
 gathered parameters on a CPU worker each in a memory mapping of their own, unmapped at reshard.
 """
 
@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 from tango_fairscale import WrapPlan, compat, versions
-from tango_fairscale.backends.torch_fsdp2 import gathered_memory
 from tango_fairscale.backends.torch_fsdp2.sharding import shard_model
+from tango_fairscale.compat import fsdp2_gathered_memory as gathered_memory
 from tango_fairscale.config import FSDPConfig
 from tests import harness
 

@@ -11,7 +11,7 @@ import gc
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -453,6 +453,66 @@ def test_frozen_parameters_get_no_gradient_or_optimizer_state() -> None:
     assert result.bucket_cap_mb == 1
     _, parts = result.peak_components()
     assert parts["gathered_gradients"] is not None and parts["gathered_gradients"] < 4 << 20
+
+
+class Ledger:
+    """What a memory model's reduce-scatters hold, by kind (a stand-in for ``LiveTensorBytes``)."""
+
+    def __init__(self) -> None:
+        self.held: Dict[str, int] = {}
+        self.most: Dict[str, int] = {}
+
+    def hold(self, kind: str, size: int) -> None:
+        self.held[kind] = self.held.get(kind, 0) + size
+        self.most[kind] = max(self.most.get(kind, 0), self.held[kind])
+
+
+def test_each_backend_answers_for_its_own_memory() -> None:
+    """``plan`` asks the engine's backend (``Backend.memory_model``) what it holds, naming neither."""
+    from tango_fairscale.backends.base import GATHERED_GRADIENTS, GRADIENTS
+    from tango_fairscale.backends.lookup import backend_class
+    from tango_fairscale.config import FSDPConfig
+    from tango_fairscale.plan import Unit
+
+    # A gradient of 4,000 bytes, which fits FairScale's 25 MiB bucket, and one of 32 MiB, which does not.
+    small = Unit("small", "Linear", numel=1000, shard_numel=500, checkpointed=False, trainable_numel=1000)
+    large = Unit(
+        "large", "Linear", numel=8 << 20, shard_numel=4 << 20, checkpointed=False, trainable_numel=8 << 20
+    )
+    units = [small, large]
+    fairscale = backend_class("fairscale").memory_model(FSDPConfig(), units, 2, 4)
+    fsdp2 = backend_class("torch").memory_model(FSDPConfig(), units, 2, 4)
+    assert fairscale.flat and fairscale.reduce_scatter_bucket
+    assert not fsdp2.flat and not fsdp2.reduce_scatter_bucket and fsdp2.bucket_cap_mb == 0
+    # The bucket as the backend sizes it: the 4,000 bytes that go into it, in its least, 1 MiB.
+    assert fairscale.bucket_cap_mb == 1
+    assert fairscale.bucketed(small) and not fairscale.bucketed(large)
+    output = (1 << 20) // 2
+    # After backward the small gradient's shard keeps the bucket's whole output (a view of it).
+    assert fairscale.gradient_bytes(units, 2) == output + (4 << 20) * 4
+    assert fsdp2.gradient_bytes(units, 2) == (500 + (4 << 20)) * 4
+    for model in (fairscale, fsdp2):
+        assert model.gathered_bytes(large) == (8 << 20) * 4
+        # Under mixed precision the shard is cast to the compute dtype for the gather too.
+        assert model.gathered_bytes(replace(large, compute_element_size=2)) == ((8 << 20) + (4 << 20)) * 2
+        ledger = Ledger()
+        reduce_scatter = model.reduce_scatter(ledger, accumulating=False)
+        for unit in units:
+            reduce_scatter.gradient_joined(unit)
+            reduce_scatter.gradient_reduced(unit)
+        reduce_scatter.finish()
+        # What stays after backward is what the model says a worker holds; FairScale's bucket (its
+        # input and its output) held for a while, then freed.
+        assert ledger.held[GRADIENTS] == model.gradient_bytes(units, 2)
+        assert ledger.held.get(GATHERED_GRADIENTS, 0) == 0
+        assert ledger.most.get(GATHERED_GRADIENTS, 0) == (3 * output if model.reduce_scatter_bucket else 0)
+
+    # The plan's own: the backend the config names.
+    config = train_config(wrap="nested", engine_extra={"backend": "torch"})
+    torch_plan = make_plan("train", config["steps"]["train"], measure=False)
+    assert not torch_plan.flat and torch_plan.bucket_cap_mb == 0 and torch_plan.backend == "torch"
+    default = make_plan("train", train_config(wrap="nested")["steps"]["train"], measure=False)
+    assert default.flat and default.bucket_cap_mb == 1 and default.backend == "fairscale"
 
 
 @pytest.mark.parametrize(

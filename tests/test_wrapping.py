@@ -16,6 +16,7 @@ from tango_fairscale import FSDPConfig, WrapPlan, compat, plan_wrapping, with_wr
 from tango_fairscale.backends.fairscale_fsdp.backend import FairScaleBackend, apply_wrap_plan
 from tango_fairscale.backends.torch_fsdp2.backend import TorchBackend
 from tango_fairscale.checkpointing import consolidation
+from tango_fairscale.fsdp_options import FSDPOptions
 from tango_fairscale.wrapping import recorded_plan, replace_submodule
 from tests import harness
 from tests.helpers import (
@@ -58,7 +59,8 @@ def test_the_wrapper_records_its_plan_and_leaves_the_model_plain() -> None:
     assert plan is not None
     assert plan.selected == ("blocks.0", "blocks.1", "blocks.2", "head")
     assert plan.checkpointed == frozenset(plan.selected)
-    assert plan.unit_config == FSDPConfig(reshard_after_forward=False)
+    # The units' options as the backends read them (FSDPConfig's fields, without its wrap()).
+    assert plan.unit_config == FSDPOptions(reshard_after_forward=False)
     assert recorded_plan(toy()) is None
 
 
@@ -221,7 +223,7 @@ def test_a_tie_split_across_units_is_refused_naming_it() -> None:
 
 
 def test_a_mixed_group_is_split_into_trainable_and_frozen_flat_parameters() -> None:
-    from tango_fairscale.backends.fairscale_fsdp.flat_groups import split_by_requires_grad
+    from tango_fairscale.compat.fairscale_flat_groups import split_by_requires_grad
 
     layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
     layers[0].requires_grad_(False)

@@ -7,7 +7,8 @@ one :class:`Backend`, chosen by name (:func:`tango_fairscale.backends.backend_cl
 branch on which one. What both backends share is written once, outside them: the commit of a
 checkpoint (:mod:`tango_fairscale.checkpointing.commit`), the resume point
 (:mod:`tango_fairscale.checkpointing.resume`), the streaming of ``weights.pt``
-(:mod:`tango_fairscale.checkpointing.streaming`).
+(:mod:`tango_fairscale.checkpointing.streaming`). What a backend holds of a training step's
+memory, for ``plan``, is its :class:`MemoryModel` (:meth:`Backend.memory_model`).
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ from typing import (
     Optional,
     Protocol,
     Sequence,
+    Tuple,
     Union,
 )
 
@@ -35,9 +37,9 @@ from tango.integrations.torch import Model, TrainConfig
 from .. import checkpointing
 from ..checkpointing import model_records, pretrained_base
 from ..checkpointing.streaming import TensorEntry
-from ..config import FSDPConfig
 from ..cpu.memory import MMAP_THRESHOLD_BYTES
 from ..finetune.lora import adapter_config_of
+from ..fsdp_options import FSDPOptions
 from ..launch import HostWorld, multihost
 from ..topology import Topology
 
@@ -61,7 +63,7 @@ class BackendContext:
     #: The worker's Tango ``TrainConfig`` (across hosts, the global one).
     train_config: TrainConfig
     #: The root unit's FSDP options.
-    fsdp_config: FSDPConfig
+    fsdp_config: FSDPOptions
     #: Build the model on ``meta`` and allocate each unit right before it is sharded.
     init_on_meta: bool
     #: Shard within each host, replicate across hosts (torch backend only).
@@ -108,6 +110,117 @@ class LoadedCheckpoint:
     random_state: Optional[Dict[str, Any]]
     #: Whether the checkpoint was saved by another number of workers.
     resharded: bool
+
+
+# --- what a backend holds of a training step, for ``plan`` ----------------------------------------
+
+
+class UnitShape(Protocol):
+    """One FSDP unit as a memory model sees it: its sizes (``plan``'s :class:`~tango_fairscale.plan.Unit`)."""
+
+    #: Parameters the unit owns (not those of units nested in it), and of them those that train.
+    numel: int
+    trainable_numel: int
+    #: Bytes per element of its gathered parameters (its compute dtype).
+    compute_element_size: int
+
+    def shards(self, world_size: int) -> Tuple[int, int]:
+        """Elements of its trainable and of its frozen parameters on each of ``world_size`` workers."""
+        ...
+
+
+class MemoryLedger(Protocol):
+    """Where a memory model counts what no operation of the step shows (``plan``'s ``LiveTensorBytes``)."""
+
+    def hold(self, kind: str, size: int) -> None:
+        """Count ``size`` more bytes (less, if negative) of ``kind`` (:data:`GRADIENTS`, ...)."""
+
+
+#: The kinds a memory model holds on a :class:`MemoryLedger`: gradient shards that stay after backward,
+#: and what reducing the units' gradients takes for a while (a whole gradient, a reduce-scatter bucket).
+GRADIENTS = "gradients"
+GATHERED_GRADIENTS = "gathered_gradients"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel(ABC):
+    """
+    What a backend holds of a training step's memory, in bytes, from its units' sizes alone: no
+    process group, no tensor (``python -m tango_fairscale plan``, ``docs/plan.md``). Made by
+    :meth:`Backend.memory_model` for a config's root ``fsdp_config`` and its world.
+    """
+
+    world_size: int
+    #: Bytes per element of the parameters as they are kept: their shards, the gradient shards.
+    element_size: int
+    #: The root's ``fp32_reduce_scatter``: gradients reduced in the parameters' precision.
+    fp32_reduce_scatter: bool = False
+    #: Whether each unit's parameters are one flat parameter (its optimizer updates one tensor per unit).
+    flat: bool = False
+    #: The reduce-scatter bucket, in MiB (``0``: every unit's gradient reduced on its own).
+    bucket_cap_mb: int = 0
+
+    #: Whether the backend reduce-scatters small gradients through a bucket (``bucket_cap_mb``).
+    reduce_scatter_bucket: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def from_config(
+        cls, fsdp_config: FSDPOptions, units: Sequence[UnitShape], world_size: int, element_size: int
+    ) -> "MemoryModel":
+        """The model for a step whose root has ``fsdp_config`` and whose FSDP units are ``units``."""
+
+    def gradient_element_size(self, unit: UnitShape) -> int:
+        """Bytes per element of ``unit``'s whole gradient as it is reduced."""
+        return self.element_size if self.fp32_reduce_scatter else unit.compute_element_size
+
+    @abstractmethod
+    def gathered_bytes(self, unit: UnitShape) -> int:
+        """What ``unit`` takes while gathered: its whole parameters, and any copy made to gather them."""
+
+    @abstractmethod
+    def reducing_bytes(self, unit: UnitShape, gradients: int) -> int:
+        """
+        What reducing ``unit``'s gradient allocates for a while besides its parameters' gradients
+        (``gradients`` bytes of them): their whole gradient joined for the reduce-scatter, any copy.
+        """
+
+    @abstractmethod
+    def gradient_bytes(self, units: Sequence[UnitShape], world_size: int) -> int:
+        """The gradients of ``units`` that a worker of ``world_size`` holds after backward, sharded."""
+
+    @abstractmethod
+    def reduce_scatter(self, ledger: MemoryLedger, accumulating: bool) -> "ReduceScatter":
+        """
+        The reduce-scatters of one backward, holding their memory on ``ledger``; ``accumulating``:
+        later micro-batches add their gradients into the shards the first one made.
+        """
+
+
+class ReduceScatter:
+    """
+    The reduce-scatters of one backward, at the moments they hold memory: each unit's gradient
+    reduced on its own, into a shard that stays (added in place to the shard of an earlier
+    micro-batch when ``accumulating``). A backend that buckets gradients extends it.
+    """
+
+    def __init__(self, model: MemoryModel, ledger: MemoryLedger, accumulating: bool) -> None:
+        self.model = model
+        self.ledger = ledger
+        self.accumulating = accumulating
+
+    def gradient_joined(self, unit: UnitShape) -> None:
+        """``unit``'s whole gradient, joined (:meth:`MemoryModel.reducing_bytes`), is to be reduced."""
+        return None
+
+    def gradient_reduced(self, unit: UnitShape) -> None:
+        """``unit``'s gradient reduced, its whole gradient and gathered parameters freed: its shard stays."""
+        if not self.accumulating:
+            self.ledger.hold(GRADIENTS, unit.shards(self.model.world_size)[0] * self.model.element_size)
+
+    def finish(self) -> None:
+        """The end of backward: every unit's gradient reduced."""
+        return None
 
 
 class Backend(ABC):
@@ -183,7 +296,7 @@ class Backend(ABC):
     # --- options ---------------------------------------------------------------------------------
 
     @classmethod
-    def check_options(cls, fsdp_config: FSDPConfig, where: str) -> None:
+    def check_options(cls, fsdp_config: FSDPOptions, where: str) -> None:
         """Refuse, naming the field, every ``fsdp_config`` field this backend cannot honour."""
         return None  # by default every field is honoured
 
@@ -191,6 +304,27 @@ class Backend(ABC):
     def check_wrapper_options(cls, wrapper: Mapping[str, Any]) -> None:
         """Refuse, naming the field, ``with_wrapped_modules`` options this backend cannot honour."""
         return None  # by default every option is honoured
+
+    # --- its memory, for ``plan`` ----------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def memory_model(
+        cls, fsdp_config: FSDPOptions, units: Sequence[UnitShape], world_size: int, element_size: int
+    ) -> MemoryModel:
+        """
+        What this backend holds of a training step's memory (:class:`MemoryModel`): for a step
+        whose root has ``fsdp_config`` and whose FSDP units are ``units``, on ``world_size``
+        workers, its parameters of ``element_size`` bytes each. No process group, no tensor.
+        """
+
+    @classmethod
+    def wrap_unit(cls, fsdp_config: FSDPOptions, module: nn.Module) -> nn.Module:
+        """
+        ``module`` as one unit of this backend with ``fsdp_config``'s options, outside a wrap plan
+        (``FSDPConfig.wrap``, for the users of ai2-tango's bundled integration).
+        """
+        raise NotImplementedError(f"the {cls.name} backend wraps units only through a wrap plan")
 
     # --- training --------------------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class FlattenTrainableApart(FlattenParamsWrapper):
         return output
 
 
+# F8 upstream: none found
 def release_early_in(unit: Any) -> None:
     """
     Have ``unit`` (a FairScale FSDP unit) release its gathered parameters before their flat

@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Sequence
 
 import torch
 
-from ...cpu.memory import malloc_advises_huge_pages
+from ..cpu.memory import malloc_advises_huge_pages
 
 #: Gathered tensors smaller than this stay with torch's allocator (a Llama layer's norms and a LoRA
 #: adapter's matrices: kilobytes, which a mapping each would round up to pages).

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..preflight import preflight, uses_fairscale_engine
 from ..train_step import with_engine_callbacks
-from . import TOKENIZE_TEXT, _data_step, _run_step, _with_dependencies
+from .batch import TOKENIZE_TEXT, _data_step, _run_step, _with_dependencies
 
 __all__ = ["PLACEHOLDER_WORK_DIR", "plan_preflight"]
 

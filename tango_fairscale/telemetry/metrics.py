@@ -166,7 +166,11 @@ class MetricsLog(TelemetryCallback):
         self._described = False  # whether this run's run line was written
         self._infos: Dict[int, MeterInfo] = {}  # each worker's, from its first record of the run
         self._windows = RankWindows()  # each worker's figures since the previous line
-        self._compiled_graphs = 0  # this worker's compiled graphs at the previous line
+        # What compiling had cost this process before this run (a process that ran another
+        # training before, as a test's worker does): the run's lines count from here.
+        before = compiling_stats()
+        self._compile_before = (before.graphs, before.seconds)
+        self._compiled_graphs = before.graphs  # this worker's compiled graphs at the previous line
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], train_steps: Optional[int] = None) -> None:
@@ -224,10 +228,12 @@ class MetricsLog(TelemetryCallback):
         compiled = compiling_stats()
         if compiled.graphs != self._compiled_graphs:
             # The line of the step that compiled (with_wrapped_modules.compile): this worker's
-            # seconds in the calls that compiled, and its graphs so far (a recompile adds one).
+            # seconds in the calls that compiled, and its graphs so far in this run (a recompile
+            # adds one).
             self._compiled_graphs = compiled.graphs
-            line["compile_s"] = round(compiled.seconds, 3)
-            line["compiled_graphs"] = compiled.graphs
+            graphs_before, seconds_before = self._compile_before
+            line["compile_s"] = round(compiled.seconds - seconds_before, 3)
+            line["compiled_graphs"] = compiled.graphs - graphs_before
         line["time"] = time.time()
         self._append(line)
 

@@ -124,7 +124,7 @@ def host_cpu_peak(dtype: torch.dtype, workers_per_host: int) -> Peak:
     taking a core only lowers a figure). Measured by each worker whenever it got there, on a shared
     machine, two workers stepping at the same speed reported MFU 29.7 % and 61.2 %.
     """
-    import torch.distributed as dist  # lazy: only CPU workers in a process group get here
+    import torch.distributed as dist  # only CPU workers in a process group get here
 
     dist.barrier()
     own = measure_cpu_peak(dtype)

@@ -93,7 +93,7 @@ def attach_progress_lines(telemetry: WorkerTelemetry, stream: Optional[IO[str]] 
     """
     if not telemetry.writes or telemetry in _attached or not progress_as_lines(stream):
         return
-    from .. import compat  # lazy: the integration boundary is not the telemetry's to import early
+    from .. import compat  # when called: the integration boundary is not the telemetry's to import early
 
     compat.progress_bars_off()
     _attached[telemetry] = reader = ProgressLines(telemetry.train_config, stream)

@@ -1,8 +1,6 @@
 """
 FairScale's FSDP as a sharding backend (:mod:`.backend`): checkpoints of flat per-unit shards
-and their resharding arithmetic (:mod:`.resharding`), and the CUDA stream stand-ins FairScale
-needs on CPU workers (:mod:`.cpu_streams`, installed by :mod:`tango_fairscale.compat`).
-
-Nothing is imported here: :mod:`tango_fairscale.compat` imports :mod:`.cpu_streams` without
-the backend.
+and their resharding arithmetic (:mod:`.resharding`), the reduce-scatter bucket's size
+(:mod:`.bucketing`) and what a step holds (:mod:`.memory_model`). What it changes in FairScale
+is :mod:`tango_fairscale.compat`'s (F1-F10).
 """

@@ -7,7 +7,19 @@ for another number of workers by :mod:`.resharding`'s arithmetic.
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.distributed as dist
@@ -23,17 +35,18 @@ from ...checkpointing import pretrained_base
 from ...checkpointing.commit import Digests, commit
 from ...checkpointing.compatible import check_same_optimizer
 from ...checkpointing.streaming import stream_save
+from ...compat import fairscale_flat_groups as flat_groups
 from ...compiling import compile_unit
-from ...config import FSDPConfig
 from ...devices import worker_computes_on_cpu, worker_device
 from ...errors import WrapConfigurationError
+from ...fsdp_options import FSDPOptions
 from ...launch import HostWorld, multihost
 from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
-from ..base import Backend, LoadedCheckpoint, ModelSource
+from ..base import Backend, LoadedCheckpoint, MemoryModel, ModelSource, UnitShape
 from ..lookup import check_written_by, holds_worker_files
-from . import flat_groups
 from .bucketing import sufficient_bucket_cap_mb
+from .memory_model import FairScaleMemoryModel
 from .resharding import (
     ConsolidatedModel,
     check_same_parameter_shapes,
@@ -75,6 +88,16 @@ class FairScaleBackend(Backend):
 
     #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
     module_aliases: List[Any] = []
+
+    @classmethod
+    def memory_model(
+        cls, fsdp_config: FSDPOptions, units: Sequence[UnitShape], world_size: int, element_size: int
+    ) -> MemoryModel:
+        return FairScaleMemoryModel.from_config(fsdp_config, units, world_size, element_size)
+
+    @classmethod
+    def wrap_unit(cls, fsdp_config: FSDPOptions, module: nn.Module) -> nn.Module:
+        return wrap(fsdp_config, module)
 
     @classmethod
     def check_wrapper_options(cls, wrapper: Mapping[str, Any]) -> None:
@@ -438,7 +461,7 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
     """
     if plan.checkpointed and not plan.fsdp:
         raise WrapConfigurationError(CHECKPOINT_WITHOUT_UNITS)
-    unit_config = plan.unit_config if plan.unit_config is not None else FSDPConfig()
+    unit_config = plan.unit_config if plan.unit_config is not None else FSDPOptions()
     # FairScale expects offloaded parameters to start on the CPU.
     offload = plan.fsdp and unit_config.move_params_to_cpu
     unit_device = torch.device("cpu") if offload or not plan.fsdp else device
@@ -491,7 +514,7 @@ def reduced_gradients(root: FSDP) -> Iterator[Tuple[int, int, int]]:
                 yield param._orig_size.numel(), torch.empty((), dtype=dtype).element_size(), workers
 
 
-def wrap(config: FSDPConfig, module: nn.Module) -> FSDP:
+def wrap(config: FSDPOptions, module: nn.Module) -> FSDP:
     """
     Wrap ``module`` in :class:`~fairscale.nn.FullyShardedDataParallel` with ``config``'s options
     (what :meth:`FSDPConfig.wrap <tango_fairscale.config.FSDPConfig.wrap>` does). Needs an

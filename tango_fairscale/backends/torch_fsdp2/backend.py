@@ -6,7 +6,7 @@ model sharded by :mod:`.sharding`, checkpoints through DCP (:mod:`.checkpoint`).
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -16,11 +16,13 @@ from tango.integrations.torch import Model
 
 from ... import checkpointing
 from ...checkpointing.streaming import stream_save
+from ...fsdp_options import FSDPOptions
 from ...launch import multihost
 from ...materialize import parameters_on_meta
 from ...wrapping import WrapPlan, recorded_plan, require_parameters
-from ..base import Backend, LoadedCheckpoint, ModelSource
+from ..base import Backend, LoadedCheckpoint, MemoryModel, ModelSource, UnitShape
 from . import checkpoint, sharding
+from .memory_model import TorchMemoryModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,12 @@ class TorchBackend(Backend):
     # (cpu/memory.py). Measured against 2 and 16 MiB in docs/benchmarks-backends.md (speed: set
     # through MALLOC_MMAP_THRESHOLD_, long-lived allocations off; capacity: in the code, on).
     cpu_mmap_threshold = 4 << 20
+
+    @classmethod
+    def memory_model(
+        cls, fsdp_config: FSDPOptions, units: Sequence[UnitShape], world_size: int, element_size: int
+    ) -> MemoryModel:
+        return TorchMemoryModel.from_config(fsdp_config, units, world_size, element_size)
 
     @classmethod
     def check_options(cls, fsdp_config: Any, where: str) -> None:

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from ... import compat
 from ...compiling import compile_unit
-from ...config import FSDPConfig, parse_dtype
 from ...devices import worker_computes_on_cpu
+from ...fsdp_options import FSDPOptions, parse_dtype
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
 from ...wrapping import WrapPlan, disable_hf_kv_cache, replace_submodule
 from .collectives import UnitBuffers, use_ring_collectives
@@ -168,7 +168,7 @@ def _refuse(where: str, field: str, value: Any, why: str) -> ConfigurationError:
     )
 
 
-def check_options(config: FSDPConfig, *, where: str = "FSDPConfig") -> None:
+def check_options(config: FSDPOptions, *, where: str = "FSDPConfig") -> None:
     """
     Raise a :class:`ConfigurationError` naming the field and the backend for every value FSDP2
     cannot honour (see :data:`OPTION_TABLE`); every other value is mapped by :func:`shard_model`.
@@ -240,7 +240,7 @@ def render_option_table(with_reasons: bool = True) -> str:
     return "\n".join(lines)
 
 
-def fully_shard_kwargs(config: FSDPConfig, *, on_cpu: bool, root: bool) -> Dict[str, Any]:
+def fully_shard_kwargs(config: FSDPOptions, *, on_cpu: bool, root: bool) -> Dict[str, Any]:
     """
     The keyword arguments of :func:`fully_shard` for a unit (or, with ``root``, the root) with
     ``config``, on a CPU mesh or not. Call :func:`check_options` first.
@@ -312,7 +312,7 @@ def _clear_autocast_cache(module: nn.Module, args: Any, output: Any) -> None:
     torch.clear_autocast_cache()
 
 
-def _materialize_device(config: FSDPConfig, mesh: DeviceMesh) -> torch.device:
+def _materialize_device(config: FSDPOptions, mesh: DeviceMesh) -> torch.device:
     """Where ``meta`` parameters are allocated: offloaded ones start on the CPU (FSDP2 requires it)."""
     if mesh.device_type == "cpu" or config.move_params_to_cpu:
         return torch.device("cpu")
@@ -322,7 +322,7 @@ def _materialize_device(config: FSDPConfig, mesh: DeviceMesh) -> torch.device:
 
 def _shard(
     module: nn.Module,
-    config: FSDPConfig,
+    config: FSDPOptions,
     mesh: DeviceMesh,
     *,
     root: bool,
@@ -375,7 +375,7 @@ def checkpointed(module: nn.Module, on_cpu: bool) -> nn.Module:
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh: DeviceMesh) -> nn.Module:
+def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPOptions, mesh: DeviceMesh) -> nn.Module:
     """
     Apply ``plan`` to ``model`` in place with FSDP2 and return it: each selected module, deepest
     first, is allocated if its parameters are on ``meta``, checkpointed (:func:`checkpointed`) if
@@ -398,7 +398,7 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPConfig, mesh:
     :func:`full_state_dict` drop that part. A plan without ``unit_config`` means FairScale's defaults
     (as ``fsdp_config: {}``). Needs an initialised process group and ``mesh`` (:func:`make_mesh`).
     """
-    unit_config = plan.unit_config if plan.unit_config is not None else FSDPConfig()
+    unit_config = plan.unit_config if plan.unit_config is not None else FSDPOptions()
     if plan.fsdp_units:
         check_options(unit_config, where="with_wrapped_modules.fsdp_config")
     check_options(root_config, where="training_engine.fsdp_config")
@@ -505,7 +505,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dict(model: nn.Module, config: Optional[FSDPConfig] = None) -> Dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, config: Optional[FSDPOptions] = None) -> Dict[str, torch.Tensor]:
     """
     The plain model's state dict (unsharded tensors, plain names), gathered one tensor at a time:
     on ``config.state_dict_device`` (default: where the parameters are), and only on rank 0 with
@@ -515,7 +515,7 @@ def full_state_dict(model: nn.Module, config: Optional[FSDPConfig] = None) -> Di
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    config = config or FSDPConfig()
+    config = config or FSDPOptions()
     device = torch.device(config.state_dict_device) if config.state_dict_device is not None else None
     keep = not config.state_dict_on_rank_0_only or dist.get_rank() == 0
     result: Dict[str, torch.Tensor] = {}
