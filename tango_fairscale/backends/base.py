@@ -174,16 +174,24 @@ class MemoryModel(ABC):
         """Bytes per element of ``unit``'s whole gradient as it is reduced."""
         return self.element_size if self.fp32_reduce_scatter else unit.compute_element_size
 
-    @abstractmethod
     def gathered_bytes(self, unit: UnitShape) -> int:
-        """What ``unit`` takes while gathered: its whole parameters, and any copy made to gather them."""
+        """
+        What ``unit`` takes while gathered: its whole parameters in the compute dtype, and under
+        mixed precision the shard cast to that dtype to be gathered (both backends do both).
+        """
+        shard = sum(unit.shards(self.world_size)) if unit.compute_element_size != self.element_size else 0
+        return (unit.numel + shard) * unit.compute_element_size
 
-    @abstractmethod
     def reducing_bytes(self, unit: UnitShape, gradients: int) -> int:
         """
         What reducing ``unit``'s gradient allocates for a while besides its parameters' gradients
-        (``gradients`` bytes of them): their whole gradient joined for the reduce-scatter, any copy.
+        (``gradients`` bytes of them): their whole gradient joined for the reduce-scatter (one flat
+        gradient under FairScale, one reduce-scatter input under FSDP2), and with
+        ``fp32_reduce_scatter`` a float32 copy of it besides.
         """
+        if self.fp32_reduce_scatter and unit.compute_element_size < self.element_size:
+            gradients += unit.trainable_numel * self.element_size
+        return gradients
 
     @abstractmethod
     def gradient_bytes(self, units: Sequence[UnitShape], world_size: int) -> int:

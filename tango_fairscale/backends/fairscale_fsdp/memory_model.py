@@ -45,18 +45,6 @@ class FairScaleMemoryModel(MemoryModel):
         size = unit.trainable_numel * self.gradient_element_size(unit)
         return 0 < size <= self.bucket_cap_mb << 20
 
-    def gathered_bytes(self, unit: UnitShape) -> int:
-        # Under mixed precision FairScale also casts the shard to the compute dtype before gathering.
-        shard = sum(unit.shards(self.world_size)) if unit.compute_element_size != self.element_size else 0
-        return (unit.numel + shard) * unit.compute_element_size
-
-    def reducing_bytes(self, unit: UnitShape, gradients: int) -> int:
-        # Joined into one flat gradient (then copied for the reduce-scatter): twice, for a moment;
-        # with fp32_reduce_scatter a float32 copy of it besides.
-        if self.fp32_reduce_scatter and unit.compute_element_size < self.element_size:
-            gradients += unit.trainable_numel * self.element_size
-        return gradients
-
     def gradient_bytes(self, units: Sequence[UnitShape], world_size: int) -> int:
         """
         A shard of each trainable parameter; but FairScale hands out a bucketed gradient's shard

@@ -29,18 +29,6 @@ class TorchMemoryModel(MemoryModel):
             fp32_reduce_scatter=fsdp_config.fp32_reduce_scatter,
         )
 
-    def gathered_bytes(self, unit: UnitShape) -> int:
-        # Under mixed precision the shard is cast to the compute dtype for the all-gather too.
-        shard = sum(unit.shards(self.world_size)) if unit.compute_element_size != self.element_size else 0
-        return (unit.numel + shard) * unit.compute_element_size
-
-    def reducing_bytes(self, unit: UnitShape, gradients: int) -> int:
-        # The unit's gradients copied into one reduce-scatter input; with fp32_reduce_scatter
-        # (reduce_dtype float32) a float32 copy besides.
-        if self.fp32_reduce_scatter and unit.compute_element_size < self.element_size:
-            gradients += unit.trainable_numel * self.element_size
-        return gradients
-
     def gradient_bytes(self, units: Sequence[UnitShape], world_size: int) -> int:
         """A shard of each trainable parameter."""
         return sum(unit.shards(world_size)[0] for unit in units) * self.element_size
