@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 TANGO = str(Path(sys.executable).with_name("tango"))
@@ -49,6 +49,31 @@ MODELS = {
     "quick": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512, "n_positions": 32},
 }
 BLOCK = "GPT2Block"
+#: ``--model llama``: a Llama shape of about GPT-2 small's size (``benchmark::llama``: RMSNorm, SiLU-gated
+#: MLP, rotary positions, 4 key-value heads; 100 M parameters with its tied 32,000-token embedding).
+LLAMA = {
+    "num_hidden_layers": 12,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 128,
+}
+LLAMA_BLOCK = "LlamaDecoderLayer"
+
+
+def model_of(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
+    """The model family (``--model``) and its fields for this run (GPT-2 shrinks with ``--quick``)."""
+    family = getattr(args, "model", "gpt2")
+    if family == "llama":
+        return family, LLAMA
+    return family, MODELS["quick" if args.quick else "full"]
+
+
+def sequence_length_of(family: str, model: Dict[str, Any]) -> int:
+    return int(model["max_position_embeddings" if family == "llama" else "n_positions"])
+
 
 #: Micro-batches per optimizer step in the gradient-accumulation configurations (``*_accum*``).
 GRAD_ACCUM = 4
@@ -174,16 +199,26 @@ CONFIGS: Dict[str, Config] = {
 
 
 def experiment(
-    name: str, world_size: int, model: Dict[str, Any], steps: int, warmup: int, batch_size: int
+    name: str,
+    world_size: int,
+    model: Dict[str, Any],
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    family: str = "gpt2",
 ) -> Dict[str, Any]:
     engine_type, engine_options, wrapper, step_options, _ = CONFIGS[name]
     grad_accum = CONFIGS[name].grad_accum
-    model_config: Dict[str, Any] = {"type": "gpt2::from_config", "dropout": 0.0, **model}
+    model_config: Dict[str, Any] = (
+        {"type": "benchmark::llama", **model}
+        if family == "llama"
+        else {"type": "gpt2::from_config", "dropout": 0.0, **model}
+    )
     if wrapper is not None:
         model_config = {
             "type": "fairscale::with_wrapped_modules",
             "model": model_config,
-            "wrap_module_classes": [BLOCK],
+            "wrap_module_classes": [LLAMA_BLOCK if family == "llama" else BLOCK],
             **wrapper,
         }
     sampler = (
@@ -199,7 +234,7 @@ def experiment(
             "data": {
                 "type": "benchmark::random_tokens",
                 "vocab_size": model["vocab_size"],
-                "sequence_length": model["n_positions"],
+                "sequence_length": sequence_length_of(family, model),
                 # Twice what the steps take (each step takes grad_accum batches per worker).
                 "count": batch_size * world_size * steps * grad_accum * 2,
             },
@@ -231,11 +266,11 @@ def experiment(
 
 
 def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path) -> Dict[str, Any]:
-    model = MODELS["quick" if args.quick else "full"]
+    family, model = model_of(args)
     run_dir = scratch / f"{name}-ws{world_size}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(
-        json.dumps(experiment(name, world_size, model, args.steps, args.warmup, args.batch_size))
+        json.dumps(experiment(name, world_size, model, args.steps, args.warmup, args.batch_size, family))
     )
     threads = max(1, (os.cpu_count() or 1) // world_size)
     env = {
@@ -407,13 +442,15 @@ def markdown(
     parameters: int,
     peak: Dict[str, Any],
 ) -> str:
-    sequence_length = MODELS["quick" if args.quick else "full"]["n_positions"]
+    family, model = model_of(args)
+    sequence_length = sequence_length_of(family, model)
     note = getattr(args, "note", None)
     lines = [
         "# Benchmarks",
         "",
         *([f"> {note}", ""] if note else []),
-        f"GPT-2 ({parameters / 1e6:.1f} M parameters, sequence length {sequence_length}, "
+        f"{'A Llama' if family == 'llama' else 'GPT-2'} ({parameters / 1e6:.1f} M parameters, "
+        f"sequence length {sequence_length}, "
         f"batch {args.batch_size} per worker, AdamW), trained through `tango run` on CPU workers (gloo), "
         f"{args.steps} steps, median step time after {args.warmup} warm-up steps"
         + (
@@ -455,6 +492,7 @@ def markdown(
                 "python",
                 "benchmarks/run.py",
                 *(["--quick"] if args.quick else []),
+                *(["--model", family] if family != "gpt2" else []),
                 "--world-sizes",
                 ",".join(map(str, args.world_sizes)),
                 *(["--configs", ",".join(args.configs)] if args.configs != list(CONFIGS) else []),
@@ -580,6 +618,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (for CI)")
     parser.add_argument(
+        "--model",
+        choices=("gpt2", "llama"),
+        default="gpt2",
+        help="GPT-2 small (124 M; --quick: a tiny one), or a Llama of about its size (100 M)",
+    )
+    parser.add_argument(
         "--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline"
     )
     parser.add_argument(
@@ -704,7 +748,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {
             key: getattr(args, key)
-            for key in ("quick", "steps", "warmup", "batch_size", "repeats", "configs", "note")
+            for key in ("quick", "model", "steps", "warmup", "batch_size", "repeats", "configs", "note")
         }
         args.json.write_text(
             json.dumps(
