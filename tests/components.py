@@ -1,5 +1,6 @@
 """Tango components used only by the tests (imported by the workers with ``-i tests.components``)."""
 
+import faulthandler
 import json
 import os
 import signal
@@ -14,6 +15,11 @@ from tango.integrations.torch import Model, TrainCallback, TrainingEngine
 
 from examples.toy.components import ToyRegressor
 from tango_fairscale import FairScaleTrainingEngine
+
+# Every process of a test's run (the main one and its workers import this module): SIGUSR1 prints
+# each thread's Python stack to standard error, so a test whose run did not end in time can show
+# where each process waits (tests.helpers.dump_stacks).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def local(value: Any) -> Any:

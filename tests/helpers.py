@@ -362,6 +362,20 @@ def _latest_is(workspace: Path, checkpoint: str) -> bool:
     return False
 
 
+def dump_stacks(pid: int) -> None:
+    """
+    Have ``pid`` and every process below it print their threads' Python stacks to their standard
+    error (tests/components.py registers the handler in each process of a ``tango run``): what a
+    test shows of a run that did not end in time.
+    """
+    for process in [pid, *descendants(pid)]:
+        try:
+            os.kill(process, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)  # each process writes its stacks from its own signal handler
+
+
 def descendants(pid: int) -> List[int]:
     """Every process below ``pid`` (children, their children, ...), read from /proc in one pass."""
     children: Dict[int, List[int]] = {}

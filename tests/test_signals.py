@@ -26,6 +26,7 @@ from tango_fairscale.telemetry.metrics import read_metrics
 from tests.helpers import (
     REPO,
     descendants,
+    dump_stacks,
     error_lines,
     one_line_error,
     tango_command,
@@ -188,6 +189,10 @@ def _finish(process: subprocess.Popen, log: Path) -> str:
     """Wait for the run to end (kill it and what it left after 60 s); its output."""
     try:
         process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        dump_stacks(process.pid)
+        output = log.read_text()[-12000:]
+        pytest.fail(f"the run did not end within 60 s; its output, each process's stacks last:\n{output}")
     finally:
         if process.poll() is None:
             process.kill()
@@ -430,3 +435,77 @@ def test_a_signal_that_lands_while_a_record_is_written_is_still_one_line(
         "Stopped by SIGINT (Ctrl-C): no worker running, no checkpoint written for the interruption; "
         "rerun it (exit status 130)."
     ), err
+
+
+_STARTING_WORKER_SCRIPT = """
+import multiprocessing, sys
+from tango_fairscale.launch.signals import TrainingStopped, stop_workers_on_signals
+
+
+class SlowToUnpickle:
+    # Unpickled in the new process before the payload behind it is read: the parent's write of
+    # the payload blocks meanwhile, as it does while a spawned worker imports torch.
+    def __reduce__(self):
+        return (eval, ("__import__('time').sleep(20) or 0",))
+
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(
+        target=dict, kwargs={"slow": SlowToUnpickle(), "payload": b"x" * (8 << 20)}
+    )
+    try:
+        with stop_workers_on_signals(grace=2.0, resume_hint=lambda: "rerun it"):
+            process.start()
+            print("started", flush=True)
+    except TrainingStopped as stopped:
+        print("stopped", stopped.code, flush=True)
+"""
+
+
+def test_a_signal_while_a_worker_is_being_started_stops_that_worker_too(tmp_path: Path) -> None:
+    """
+    ``multiprocessing`` lists a worker among the running ones only once ``Process.start`` returns,
+    after writing the worker's pickled arguments into a pipe, which takes as long as the new
+    process takes to import what they need. A signal landing then counted "no worker running
+    yet", left that worker running, and once the main process exited the worker printed an
+    ``EOFError`` traceback (seen in an interrupted ``tango run``). Now the worker being started is
+    stopped and counted like the others.
+    """
+    script = tmp_path / "start_one_worker.py"
+    script.write_text(_STARTING_WORKER_SCRIPT)
+    main = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (starting := [pid for pid in descendants(main.pid) if _is_spawned_worker(pid)]):
+            assert main.poll() is None and time.monotonic() < deadline, main.communicate()
+            time.sleep(0.01)
+        (worker,) = starting
+        # The worker is in its 20-second unpickling; the main process writes the payload.
+        time.sleep(1.0)
+        main.send_signal(signal.SIGINT)
+        out, err = main.communicate(timeout=30)
+    finally:
+        for pid in [main.pid, *descendants(main.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert out.split() == ["stopped", "130"], (out, err)
+    assert not _running(worker), f"worker {worker} is still running"
+    assert "Traceback" not in err and "EOFError" not in err, err
+    (line,) = [line for line in err.splitlines() if "Stopped by" in line]
+    assert "Stopped by SIGINT (Ctrl-C): 1 worker(s) stopped," in line, err
+
+
+def _is_spawned_worker(pid: int) -> bool:
+    try:
+        return "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False

@@ -3,6 +3,7 @@
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.process
 import multiprocessing.util
 import os
 import signal
@@ -10,27 +11,70 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
 
-def terminate_workers(grace: float = 5.0) -> int:
+def _pid_being_started(frame: Any) -> Optional[int]:
+    """
+    The process that ``multiprocessing`` was starting when a signal interrupted ``frame``, if it
+    exists yet and is not among :func:`multiprocessing.active_children`. A process is listed there
+    only once ``Process.start`` returns; before that, the parent writes the worker's pickled
+    arguments into a pipe the new process reads, which takes as long as the new process takes to
+    import what unpickling needs (seconds, for torch). A signal then left that worker running
+    unstopped, and printed its ``EOFError`` traceback once the parent exited mid-write.
+    """
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, multiprocessing.process.BaseProcess):
+            popen = getattr(owner, "_popen", None)
+            if popen is not None and owner not in multiprocessing.active_children():
+                return getattr(popen, "pid", None)
+        launching = frame.f_code.co_name == "_launch"
+        if launching and type(owner).__module__.startswith("multiprocessing.popen_"):
+            return getattr(owner, "pid", None)  # None: interrupted before the process existed
+        frame = frame.f_back
+    return None
+
+
+def _stop_started_process(pid: int, grace: float) -> None:
+    """SIGTERM to ``pid``, SIGKILL after ``grace`` seconds; reaped either way."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + (grace if signum == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.01)
+
+
+def terminate_workers(grace: float = 5.0, frame: Any = None) -> int:
     """
     Stop this process's child processes (the step's workers): SIGTERM, then SIGKILL for any still
-    there after ``grace`` seconds. Returns how many there were.
+    there after ``grace`` seconds. ``frame``: where a signal interrupted this process; a worker it
+    was starting at that moment is stopped too. Returns how many there were.
     """
     children = multiprocessing.active_children()
+    starting = _pid_being_started(frame)
     for child in children:
         child.terminate()
     deadline = time.monotonic() + grace
+    if starting is not None:
+        _stop_started_process(starting, grace)
     for child in children:
         child.join(max(0.0, deadline - time.monotonic()))
     for child in children:
         if child.is_alive():
             child.kill()
             child.join(5)
-    return len(children)
+    return len(children) + (starting is not None)
 
 
 #: The exit status of a ``tango run`` stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + the signal's
@@ -111,7 +155,7 @@ def _stop_run(signum: int, frame: Any) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handler_to_restore(sig, _stop_run))
     # Another step's workers (an evaluation's), if any: stopped as a training step's are.
-    count = terminate_workers()
+    count = terminate_workers(frame=frame)
     raise _log_stopped(
         signum,
         f"{count} worker(s) stopped" if count else "no worker running",
@@ -159,7 +203,7 @@ def stop_workers_on_signals(
     def stop(signum: int, frame: Any) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, _handler_to_restore(sig, handler))
-        count = terminate_workers(grace)
+        count = terminate_workers(grace, frame)
         raise _log_stopped(
             signum, f"{count} worker(s) stopped" if count else "no worker running yet", resume_hint(), frame
         )
