@@ -199,7 +199,8 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
         ({"lora_dropout": 1.5}, "fairscale::with_lora.lora_dropout: must be in [0, 1), got 1.5"),
         ({"bias": "some"}, "fairscale::with_lora.bias: must be one of ['none', 'all', 'lora_only']"),
         ({"modules_to_save": "score"}, "modules_to_save: expected a list of module names"),
-        ({"lora_alpha": "big"}, "fairscale::with_lora.lora_alpha: must be a number > 0, got 'big'"),
+        ({"lora_alpha": "big"}, "fairscale::with_lora.lora_alpha: must be a finite number > 0, got 'big'"),
+        ({"lora_alpha": float("inf")}, "fairscale::with_lora.lora_alpha: must be a finite number > 0, got inf"),
         ({"lora_dropout": "0.1"}, "fairscale::with_lora.lora_dropout: must be in [0, 1), got '0.1'"),
         (
             {"target_modules": "q_proj("},

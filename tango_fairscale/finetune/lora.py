@@ -27,6 +27,7 @@ only when a model uses it.
 import dataclasses
 import difflib
 import json
+import math
 import re
 import sys
 import warnings
@@ -76,9 +77,12 @@ class LoraOptions(FromParams):
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigurationError(f"{LORA_TYPE}.r: must be a positive integer, got {self.r!r}.")
-        if self.lora_alpha is not None and not (_is_number(self.lora_alpha) and self.lora_alpha > 0):
+        # Infinite too: it scaled every adapter's output to inf, and training went on in NaN.
+        if self.lora_alpha is not None and not (
+            _is_number(self.lora_alpha) and 0 < self.lora_alpha < math.inf
+        ):
             raise ConfigurationError(
-                f"{LORA_TYPE}.lora_alpha: must be a number > 0, got {self.lora_alpha!r}."
+                f"{LORA_TYPE}.lora_alpha: must be a finite number > 0, got {self.lora_alpha!r}."
             )
         if not (_is_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0):
             raise ConfigurationError(
