@@ -155,6 +155,7 @@ def test_experiments_configure_the_engine_and_gradient_accumulation() -> None:
     assert no_reshard["model"]["fsdp_config"] == {"reshard_after_forward": False}
 
 
+@pytest.mark.extended  # the GPU mode runs on a GPU (tests/test_gpu.py); here its harness on a CPU
 def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     # The GPU mode's harness (engine on world size 1, timing, tokens/s, MFU, report) on the CPU,
     # where only fp32 applies; the AMP configurations are reported as skipped.

@@ -147,6 +147,9 @@ def test_a_compiled_lora_run_with_checkpointing_ends_as_the_eager_one(
     assert difference <= TOLERANCE, difference
 
 
+# Extended: make test compares compiled and eager checkpointed nested units on both backends, and
+# kills and reruns eager runs through the command line (tests/test_checkpoints.py).
+@pytest.mark.extended
 def test_compiled_with_gradient_accumulation_killed_and_resumed_ends_as_the_eager_run(tmp_path: Path) -> None:
     """
     Gradient accumulation (2 micro-batches, the first under ``no_sync``) and a kill after the

@@ -399,6 +399,9 @@ def check_evaluations(
         assert f"loss {result['loss']:.6g}, perplexity {result['perplexity']:.6g}" in output
 
 
+# Extended: make test evaluates through the command line in the fine-tuning example, and compares
+# the sharded evaluation with the one-process one on both backends in its own workers.
+@pytest.mark.extended
 def test_tango_run_evaluates_in_one_process_and_sharded(pretrained: Path, tmp_path: Path) -> None:
     """
     Both routes of the step through the command line (sharded: the workers it spawns), the

@@ -200,7 +200,10 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
         ({"bias": "some"}, "fairscale::with_lora.bias: must be one of ['none', 'all', 'lora_only']"),
         ({"modules_to_save": "score"}, "modules_to_save: expected a list of module names"),
         ({"lora_alpha": "big"}, "fairscale::with_lora.lora_alpha: must be a finite number > 0, got 'big'"),
-        ({"lora_alpha": float("inf")}, "fairscale::with_lora.lora_alpha: must be a finite number > 0, got inf"),
+        (
+            {"lora_alpha": float("inf")},
+            "fairscale::with_lora.lora_alpha: must be a finite number > 0, got inf",
+        ),
         ({"lora_dropout": "0.1"}, "fairscale::with_lora.lora_dropout: must be in [0, 1), got '0.1'"),
         (
             {"target_modules": "q_proj("},
@@ -214,6 +217,12 @@ def test_with_lora_from_the_config_trains_as_the_users_own_constructor(
         (
             {"target_modules": ["no_such_proj"]},
             "fairscale::with_lora: Target modules {'no_such_proj'} not found",
+        ),
+        (
+            {"target_modules": ["mlp"]},
+            "fairscale::with_lora: target_modules ['mlp'] matches a LlamaMLP, which LoRA cannot adapt (it "
+            "adapts linear, embedding and convolution layers). The model's layers that can take adapters "
+            "are named: down_proj, embed_tokens,",
         ),
         (
             {"target_modules": ["c_attn"]},

@@ -51,7 +51,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tenso
     return load_weights(cwd / "ws")
 
 
-@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+# The torch backend's in the extended suite: the one-worker route is the step's, the same for both.
+@pytest.mark.parametrize("backend", ["fairscale", pytest.param("torch", marks=pytest.mark.extended)])
 def test_one_device_trains_in_one_worker_as_tangos_engine_does(
     tmp_path: Path, backend: str, reference: Dict[str, torch.Tensor]
 ) -> None:

@@ -484,6 +484,9 @@ print("loaded", from_pretrained("nobody/cached").lm_head.weight.sum().item())
 
 # The one end-to-end proof: the one line of a real `tango run`, at once (it was 207-412 lines, after
 # 104 s of retries). The hub is a closed local port, so that the test does not depend on the network.
+# Extended: make test refuses the name at once in a fresh process
+# (test_a_hub_name_is_read_from_the_cache_or_refused_at_once_offline).
+@pytest.mark.extended
 def test_a_hub_name_without_a_hub_is_one_line_at_once_through_tango_run(
     pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -55,7 +55,9 @@ def _complete_checkpoints(workspace: Path) -> List[Path]:
 
 @pytest.mark.parametrize(
     "signum, to_group, exit_code",
-    [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)],
+    # SIGINT to the group in the extended suite: make test sends it in
+    # test_sigint_to_the_main_process_alone_or_to_its_group_is_the_same_one_line.
+    [pytest.param(signal.SIGINT, True, 130, marks=pytest.mark.extended), (signal.SIGTERM, False, 143)],
     ids=["SIGINT to the process group (Ctrl-C)", "SIGTERM to the main process"],
 )
 def test_a_signal_stops_every_worker_with_one_line(

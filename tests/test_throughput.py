@@ -253,6 +253,8 @@ def test_rank_zero_writes_each_step_once_with_every_workers_figures(tmp_path: Pa
     zero.post_val_loop(3, 0, val_metric=0.5, best_val_metric=0.25)  # a validation after step 4
     for index in range(2, 5):
         step(one, index, 1.0)
+        if index == 3:  # every worker validates (rank 0 waited out its final wait for this record)
+            one.post_val_loop(3, 0, val_metric=0.5, best_val_metric=0.25)
     one.post_train_loop(4, 0)  # worker 1's last record (step 5)
     step(zero, 4, 7.0)
     zero.post_train_loop(4, 0)
@@ -276,7 +278,14 @@ def test_rank_zero_writes_each_step_once_with_every_workers_figures(tmp_path: Pa
     del server
 
 
-def test_rank_zero_does_not_wait_for_a_worker_that_stopped(tmp_path: Path) -> None:
+def test_rank_zero_does_not_wait_for_a_worker_that_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The progress lines (attached where standard error is no terminal, as under pytest) wait
+    # 30 s at the end by default; the recorder's 0.5 s is the wait under test.
+    from tango_fairscale.telemetry.progress import ProgressLines
+
+    monkeypatch.setattr(ProgressLines, "final_wait_s", 0.5)
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     zero, one = make_workers(tmp_path, port)

@@ -182,7 +182,15 @@ def with_lora(
         # peft's own words for a target_modules that matches nothing, one line, and the names
         # that would match.
         message = str(error).splitlines()[0]
-        if "target modules" in message.lower():
+        unsupported = re.match(r"Target module (\w+)\(", message)
+        if unsupported is not None:
+            # peft's message is the whole module printed over many lines, then what it supports.
+            message = (
+                f"target_modules {target_modules!r} matches a {unsupported.group(1)}, which LoRA cannot "
+                "adapt (it adapts linear, embedding and convolution layers). The model's layers that can "
+                f"take adapters are named: {', '.join(adaptable_names(model))}."
+            )
+        elif "target modules" in message.lower():
             how = (
                 "a regex, it must match a module's whole dotted name (e.g. transformer.h.0.attn.c_attn)"
                 if isinstance(target_modules, str)
