@@ -1,11 +1,14 @@
 """
-The shared toy runs, the tiny pretrained Llama, a one-worker process group, and the random
-generators restored after every test (the markers are registered in pyproject.toml).
+The shared toy runs, the tiny pretrained Llama, a one-worker process group, the random
+generators restored after every test, and no worker process outliving the session (the markers
+are registered in pyproject.toml).
 """
 
 import json
+import multiprocessing
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -196,3 +199,16 @@ def one_worker() -> Iterator[Any]:
         yield make_mesh(1)
     finally:
         close_process_groups()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """
+    Kill, and count, the worker processes a test left running: multiprocessing joins every child
+    when the test process exits, so one hung worker would hold the session until CI's deadline.
+    """
+    left = multiprocessing.active_children()
+    for process in left:
+        process.kill()
+        process.join()
+    if left:
+        print(f"\nconftest: killed {len(left)} worker process(es) a test left running", file=sys.stderr)

@@ -28,9 +28,16 @@ A job's exception does not end its worker: it is recorded (type, message and tra
 worker's log lines, and the worker goes on to its next job with a new process group. A worker that
 dies (a test's SIGKILL) ends its part there; :func:`run` reports each worker's exit code.
 
+Each job's port is chosen by worker 0 when the job starts, not when the run starts: a port chosen
+minutes ahead can be taken by then by a socket of an earlier job. Each job's collectives wait at
+most :data:`COLLECTIVE_TIMEOUT` unless its config says otherwise. Workers that do not end in time
+are killed (also when the test itself is stopped, e.g. by pytest-timeout), after each printed its
+threads' stacks; the failure shows those stacks and the tail of each worker's log.
+
 :func:`spawn` is ``torch.multiprocessing.spawn`` on these workers, for the multi-process unit tests.
 """
 
+import faulthandler
 import gc
 import itertools
 import logging
@@ -162,19 +169,29 @@ def run(
     ``out`` (a directory of its own). Fails the test when the workers do not end within ``timeout``.
     """
     out.mkdir(parents=True, exist_ok=True)
-    ports = [free_port() for _ in jobs]
     # Forked from a server process that imported this module (and so torch, Tango, FairScale and
     # the package) once: a worker starts in milliseconds instead of seconds. Not forked from the
     # test process itself, whose OpenMP threads a forked child must not inherit.
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     context = mp.start_processes(
         _worker,
-        args=(world_size, list(jobs), ports, str(out), dict(os.environ)),
+        args=(world_size, list(jobs), str(out), dict(os.environ)),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
     )
-    exitcodes = _wait(context.processes, timeout)
+    try:
+        exitcodes = _wait(context.processes, timeout, out)
+    except BaseException as stopped:
+        if not isinstance(stopped, AssertionError):
+            # Stopped from outside (pytest-timeout, ^C): what the workers were doing goes to the
+            # test's captured output, which pytest shows with the failure.
+            print(_report(context.processes, out), file=sys.stderr)
+        raise
+    finally:
+        # A worker left running would be joined by multiprocessing when the test process exits:
+        # the whole test session would wait for it.
+        _kill(context.processes)
     results = []
     for index in range(len(jobs)):
         workers: List[Optional[WorkerResult]] = []
@@ -228,16 +245,50 @@ def spawn(
     assert all(code == 0 for code in result.exitcodes), result.describe()
 
 
-def _wait(processes: Sequence[Any], timeout: float) -> List[Optional[int]]:
+def _wait(processes: Sequence[Any], timeout: float, out: Path) -> List[Optional[int]]:
     deadline = _now() + timeout
     for process in processes:
         process.join(max(0.0, deadline - _now()))
     alive = [process for process in processes if process.is_alive()]
-    for process in alive:
-        process.kill()
-        process.join()
-    assert not alive, f"{len(alive)} worker(s) still running after {timeout} s: killed"
+    if alive:
+        raise AssertionError(
+            f"{len(alive)} worker(s) still running after {timeout} s: killed\n" + _report(processes, out)
+        )
     return [process.exitcode for process in processes]
+
+
+def _report(processes: Sequence[Any], out: Path) -> str:
+    """Each live worker's threads' stacks (printed on SIGUSR1 into its file) and each worker's log tail."""
+    alive = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in alive:
+        try:
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0 if alive else 0.0)  # each worker writes its stacks from its own signal handler
+    parts = []
+    for rank, process in enumerate(processes):
+        state = "running" if rank in alive else f"exit code {process.exitcode}"
+        parts.append(f"=== worker {rank} ({state}): last log lines ===")
+        parts.extend(_tail(out / f"rank{rank}.log", 40))
+        if rank in alive:
+            parts.append(f"=== worker {rank}: stacks ===")
+            parts.extend(_tail(out / f"rank{rank}.stacks", 200))
+    return "\n".join(parts)
+
+
+def _tail(path: Path, lines: int) -> List[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except FileNotFoundError:
+        return [f"({path.name}: none)"]
+
+
+def _kill(processes: Sequence[Any]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _now() -> float:
@@ -251,6 +302,11 @@ def _now() -> float:
 _rank = -1
 
 
+#: This worker's log file in the run's directory: every job's lines as they come, for a run that
+#: does not end in time (a killed worker leaves no result).
+_log: Any = None
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -259,7 +315,15 @@ class _Capture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         record.rank = _rank
-        self.lines.append(self.format(record))
+        line = self.format(record)
+        self.lines.append(line)
+        _log_line(line)
+
+
+def _log_line(line: str) -> None:
+    if _log is not None:
+        _log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        _log.flush()
 
 
 class Worker:
@@ -283,7 +347,7 @@ class Worker:
         _close_process_group()
         set_seed_all(config.seed)
         train = experiment["steps"][step]
-        engine = Lazy(TrainingEngine, Params(dict(train["training_engine"]))).construct(
+        engine = Lazy(TrainingEngine, Params(_engine_params(train))).construct(
             train_config=config, model=Lazy(Model, Params(dict(train["model"])))
         )
         assert isinstance(engine, FairScaleTrainingEngine), type(engine)
@@ -380,6 +444,14 @@ def _train_config(
     )
 
 
+def _engine_params(train: Dict[str, Any]) -> Dict[str, Any]:
+    """The step's engine, whose collectives wait :data:`COLLECTIVE_TIMEOUT` unless it says otherwise."""
+    params = dict(train["training_engine"])
+    if uses_fairscale_engine(params):
+        params.setdefault("collective_timeout", COLLECTIVE_TIMEOUT)
+    return params
+
+
 def _lazy(kind: Any, params: Optional[Dict[str, Any]]) -> Any:
     return None if params is None else Lazy(kind, Params(dict(params)))
 
@@ -390,7 +462,7 @@ def _run_train(job: Train, rank: int, world_size: int, port: int) -> None:
 
     train = job.experiment["steps"][job.step]
     config = _train_config(train, job.work_dir, 0, world_size, port)
-    engine = _lazy(TrainingEngine, train["training_engine"])
+    engine = _lazy(TrainingEngine, _engine_params(train))
     callbacks = [_lazy(TrainCallback, c) for c in train.get("callbacks") or []]
     if uses_fairscale_engine(engine):
         # What the package's step (train_step.run_step, T1) adds on its engine, by the same function:
@@ -460,23 +532,28 @@ def _call_spawned(worker: Worker, function: Callable[..., Any], args: Tuple[Any,
     return function(worker.rank, *args)
 
 
-def _worker(
-    rank: int, world_size: int, jobs: List[Job], ports: List[int], out: str, environment: Dict[str, str]
-) -> None:
+def _worker(rank: int, world_size: int, jobs: List[Job], out: str, environment: Dict[str, str]) -> None:
     # The server was forked with the environment of the test that started it: a worker takes the
     # environment of the test it runs for (e.g. a logger's offline mode set by a fixture).
     os.environ.clear()
     os.environ.update(environment)
 
-    global _rank
+    global _rank, _log
     _rank = rank
+    # Both open for the life of the worker. SIGUSR1 (sent by run() to a worker that did not end in
+    # time) prints every thread's stack into the second.
+    _log = open(Path(out) / f"rank{rank}.log", "a")
+    stacks = open(Path(out) / f"rank{rank}.stacks", "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    for index, (job, port) in enumerate(zip(jobs, ports)):
+    for index, job in enumerate(jobs):
+        _log_line(f"--- job {index}: {type(job).__name__} ---")
         capture = _Capture()
         root.addHandler(capture)
         result = WorkerResult()
         try:
+            port = _job_port(Path(out), index, rank)
             if isinstance(job, Train):
                 with _in_place_of_a_tango_run_worker():
                     _run_train(job, rank, world_size, port)
@@ -485,8 +562,27 @@ def _worker(
         except BaseException as error:  # noqa: BLE001 - recorded for the test, which decides
             result.error = f"{type(error).__name__}: {error}"
             result.traceback = traceback.format_exc()
+            _log_line(result.traceback)
         finally:
             root.removeHandler(capture)
         result.logs = capture.lines
         torch.save(result, Path(out) / f"job{index}_rank{rank}.pt")
         _close_process_group()
+
+
+def _job_port(out: Path, index: int, rank: int) -> int:
+    """
+    Job ``index``'s port: chosen by worker 0 as the job starts and handed to the others in a file
+    (they have no process group yet to receive it by).
+    """
+    path = out / f"job{index}.port"
+    if rank == 0:
+        partial = path.with_suffix(".partial")
+        partial.write_text(str(free_port()))
+        partial.replace(path)
+    deadline = _now() + COLLECTIVE_TIMEOUT
+    while not path.exists():
+        if _now() > deadline:
+            raise TimeoutError(f"worker 0 did not start job {index} within {COLLECTIVE_TIMEOUT} s")
+        time.sleep(0.01)
+    return int(path.read_text())

@@ -207,7 +207,7 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str
     (root / "fairscale-frozen" / "metrics.jsonl").write_text(
         "".join(json.dumps(line) + "\n" for line in stale)
     )
-    results = harness.run(list(jobs.values()), out=root / "harness", timeout=600)
+    results = harness.run(list(jobs.values()), out=root / "harness", timeout=400)
     return {"root": root, **{key: result.check() for key, result in zip(jobs, results)}}
 
 

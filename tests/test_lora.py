@@ -117,7 +117,7 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str
         harness.Train(experiment(pretrained, "torch", True, 0.01, STEPS, checkpointing=True), root / keys[-1])
     )
     results = {}
-    for key, job, result in zip(keys, jobs, harness.run(jobs, out=root / "harness", timeout=600)):
+    for key, job, result in zip(keys, jobs, harness.run(jobs, out=root / "harness", timeout=400)):
         result.check()
         results[key] = torch.load(job.work_dir / "weights.pt", weights_only=True)
         WORK_DIRS[key] = job.work_dir
@@ -449,7 +449,7 @@ def full_runs(biased: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[st
     root = tmp_path_factory.mktemp("full_runs")
     keys = ["ddp", "fairscale", "torch"]
     jobs = [harness.Train(_full_experiment(biased, key), root / key) for key in keys]
-    for result in harness.run(jobs, out=root / "harness", timeout=600):
+    for result in harness.run(jobs, out=root / "harness", timeout=400):
         result.check()
     return {key: job.work_dir for key, job in zip(keys, jobs)}
 
