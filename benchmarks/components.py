@@ -56,7 +56,8 @@ def _times_collectives(engine: TrainingEngine) -> bool:
 class Measure(TrainCallback):
     """
     Per worker: model-state bytes (parameters, gradients, optimizer state held after a step),
-    peak resident set size, and the time of each training step; written to
+    peak resident set size, and the time of each training step, wall and CPU (every thread of the
+    worker: on shared cores, what it computed apart from what it waited); written to
     ``benchmark_worker{N}.json`` in the work directory at the end.
     """
 
@@ -64,7 +65,9 @@ class Measure(TrainCallback):
         super().__init__(*args, **kwargs)
         self.warmup_steps = warmup_steps
         self.step_times: List[float] = []
+        self.cpu_times: List[float] = []
         self.last_start: Optional[float] = None
+        self.last_cpu: Optional[float] = None
         self.state: Dict[str, int] = {}
         # Per optimizer step (one batch: all of its grad_accum micro-batches), in FSDP's
         # collectives: the seconds in all of them, and the seconds and calls of each of NAMES
@@ -84,17 +87,18 @@ class Measure(TrainCallback):
         # Once per optimizer step: ``batch`` holds the step's grad_accum micro-batches.
         if step == 1:
             self.first_step_peak = _peak_rss_bytes()
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         totals = COLLECTIVES.totals()
-        if self.last_start is not None:
+        if self.last_start is not None and self.last_cpu is not None:
             self.step_times.append(now - self.last_start)
+            self.cpu_times.append(cpu - self.last_cpu)
             if self.timed and self.mark is not None:
                 done = totals.since(self.mark)  # the step that just ended
                 self.collective_times.append(done.total_seconds)
                 for name in NAMES:
                     self.collective_times_by_name[name].append(done.seconds[name])
                     self.collective_calls_by_name[name].append(done.calls[name])
-        self.last_start = now
+        self.last_start, self.last_cpu = now, cpu
         self.mark = totals
         if step > 0:  # after an optimizer step, all state exists
             self.state = state_bytes(self.training_engine)
@@ -115,6 +119,9 @@ class Measure(TrainCallback):
             "peak_rss_after_first_step_bytes": getattr(self, "first_step_peak", None),
             "step_time_s": self._median_after_warmup(self.step_times),
             "step_times_s": self.step_times,
+            # CPU seconds of the worker's threads per step (median after the warm-up, then each).
+            "cpu_time_s": self._median_after_warmup(self.cpu_times),
+            "cpu_times_s": self.cpu_times,
             # Seconds per optimizer step spent in FSDP's all-gathers and reduce-scatters (CPU
             # workers of the "fairscale" engine, either backend; None otherwise): together, then each.
             "collectives_time_s": self._median_after_warmup(self.collective_times),

@@ -323,6 +323,9 @@ def run_one(name: str, world_size: int, args: argparse.Namespace, scratch: Path)
         "state_bytes_per_worker": max(w["state_bytes_total"] for w in workers),
         "peak_rss_bytes_per_worker": max(w["peak_rss_bytes"] for w in workers),
         "step_time_s": max(w["step_time_s"] for w in workers),
+        # CPU seconds per step, the workers' mean (they do the same work): on cores the workers share,
+        # a step that takes longer with the same CPU time waited rather than computed.
+        "cpu_time_s": statistics.mean(w["cpu_time_s"] for w in workers),
         **{key: slowest(workers, key) for key in COLLECTIVES},
         # FlopCounterMode's count of the first step, all workers (every step has the same shape).
         "model_flops_per_step": run_line["model_flops_counted"]["flops"],
@@ -354,6 +357,7 @@ def combine(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """
     record = dict(runs[0])
     record["step_time_s"] = statistics.median(r["step_time_s"] for r in runs)
+    record["cpu_time_s"] = statistics.median(r["cpu_time_s"] for r in runs)
     for key in COLLECTIVES:
         measured = [r[key] for r in runs if r.get(key) is not None]
         record[key] = statistics.median(measured) if measured else None
@@ -361,7 +365,14 @@ def combine(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     record["peak_rss_bytes_per_worker"] = max(r["peak_rss_bytes_per_worker"] for r in runs)
     record["wall_time_s"] = sum(r["wall_time_s"] for r in runs)
     record["metrics_log_mfu"] = statistics.median(r["metrics_log_mfu"] for r in runs)
-    kept = ("step_time_s", *COLLECTIVES, "peak_rss_bytes_per_worker", "metrics_log_mfu", "wall_time_s")
+    kept = (
+        "step_time_s",
+        "cpu_time_s",
+        *COLLECTIVES,
+        "peak_rss_bytes_per_worker",
+        "metrics_log_mfu",
+        "wall_time_s",
+    )
     record["runs"] = [{key: r.get(key) for key in kept} for r in runs]
     return record
 
@@ -727,7 +738,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(
                 f"state {mib(record['state_bytes_per_worker'])}, "
                 f"peak RSS {mib(record['peak_rss_bytes_per_worker'])}, "
-                f"step {record['step_time_s']:.3f} s, MFU {100 * mfu:.2f} % "
+                f"step {record['step_time_s']:.3f} s (CPU {record['cpu_time_s']:.3f} s per worker), "
+                f"MFU {100 * mfu:.2f} % "
                 f"({record['wall_time_s']:.0f} s wall"
                 + (
                     f", compiling {record['compile_s']:.0f} s, {record['compiled_graphs']} graph(s))"

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,11 @@ def test_quick_benchmark_runs_every_configuration(tmp_path: Path) -> None:
         assert record["peak_rss_bytes_per_worker"] > 0
         assert record["step_time_s"] > 0
         assert len(record["workers"]) == record["world_size"]
+        # CPU seconds of each step, per worker, beside its wall time; the record has the workers' mean.
+        for worker in record["workers"]:
+            assert len(worker["cpu_times_s"]) == len(worker["step_times_s"]) > 0
+            assert all(seconds > 0 for seconds in worker["cpu_times_s"])
+        assert record["cpu_time_s"] == statistics.mean(w["cpu_time_s"] for w in record["workers"])
         # Time in FSDP's collectives is measured for both backends of the engine (not for DDP's
         # all-reduces), in all of them and per function.
         timed = ("collectives_time_s", "all_gather_time_s", "reduce_scatter_time_s")

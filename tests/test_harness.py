@@ -23,9 +23,9 @@ def test_a_run_that_does_not_end_in_time_shows_each_workers_stack_and_log_and_is
     tmp_path: Path,
 ) -> None:
     with pytest.raises(AssertionError) as failure:
-        harness.run([harness.Call(_worker_1_waits_forever)], out=tmp_path, timeout=10)
+        harness.run([harness.Call(_worker_1_waits_forever)], out=tmp_path, timeout=4)
     report = str(failure.value)
-    assert "1 worker(s) still running after 10 s: killed" in report, report
+    assert "1 worker(s) still running after 4 s: killed" in report, report
     # Worker 1's stack, down to the frame it waits in, and its log line; worker 0 ended normally.
     stacks = report.split("=== worker 1: stacks ===")[1]
     assert " in _worker_1_waits_forever" in stacks, report
