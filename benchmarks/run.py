@@ -632,7 +632,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--model",
         choices=("gpt2", "llama"),
         default="gpt2",
-        help="GPT-2 small (124 M; --quick: a tiny one), or a Llama of about its size (100 M)",
+        help="GPT-2 small (124 M; --quick: a tiny one), or a Llama of about its size (100 M); with --gpu: "
+        "GPT-2 medium (355 M, batch 8 x 1024 tokens), or a Llama of TinyLlama-1.1B's shape (1.1 B, SDPA "
+        "attention, batch 4 x 1024 tokens; --quick: a tiny one)",
     )
     parser.add_argument(
         "--world-sizes", default="2,4", help="comma-separated worker counts besides the 1-worker DDP baseline"
@@ -645,7 +647,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, help="training steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, help="steps left out of the median (default 2, quick 1)")
     parser.add_argument(
-        "--batch-size", type=int, default=None, help="sequences per worker and step (default 2; --gpu: 8)"
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per worker and step (default 2; --gpu: 8, with --model llama 4)",
     )
     parser.add_argument(
         "--repeats",
@@ -679,8 +684,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu.add_argument(
         "--gpu",
         action="store_true",
-        help="fp32, AMP and mixed precision (float16, bfloat16) with either backend on one GPU: peak CUDA "
-        "memory, tokens/s, MFU",
+        help="fp32, AMP and mixed precision (float16, bfloat16) with either backend on one GPU, eager and "
+        "with each block compiled (*_compiled), beside a plain module's (plain_*): peak CUDA memory, "
+        "tokens/s, MFU, warm-up (compile) time, ratio to plain",
     )
     gpu.add_argument(
         "--device",

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from benchmarks.common import DOCS, RESULTS, chart_link
-from benchmarks.gpu import MODELS, matmul_parameters, peak_tflops_for, training_flops_per_token
+from benchmarks.gpu import CONFIGS as GPU_CONFIGS
+from benchmarks.gpu import (
+    LLAMA_MODELS,
+    MODELS,
+    LlamaLanguageModel,
+    baseline_of,
+    matmul_parameters,
+    peak_tflops_for,
+    training_flops_per_token,
+)
 from benchmarks.run import CONFIGS, GRAD_ACCUM, experiment
 from tests.helpers import REPO
 
@@ -208,6 +217,78 @@ def test_gpu_mode_harness_on_a_cpu_worker(tmp_path: Path) -> None:
     assert "| `amp` | skipped: float16 AMP needs CUDA" in table
 
 
+@pytest.mark.extended  # the GPU mode runs on a GPU; here its Llama, eager and compiled, on a CPU
+@pytest.mark.timeout(1500)
+def test_gpu_mode_llama_eager_and_compiled_on_a_cpu_worker(tmp_path: Path) -> None:
+    # --model llama: the engine and the plain module, each eager and with every LlamaDecoderLayer
+    # compiled (the engine through with_wrapped_modules' compile, the plain module through the same
+    # compile_unit), trained on the same data from the same seed.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    configs = ["fp32", "fp32_compiled", "plain_fp32", "plain_fp32_compiled"]
+    result = run_benchmarks(
+        "--gpu",
+        "--device",
+        "cpu",
+        "--quick",
+        "--model",
+        "llama",
+        "--configs",
+        ",".join(configs),
+        "--json",
+        str(tmp_path / "gpu.json"),
+        "--markdown",
+        str(tmp_path / "gpu.md"),
+        timeout=1400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    settings = data["settings"]
+    records = {r["config"]: r for r in data["records"]}
+    assert list(records) == configs and data["skipped"] == {} and data["failed"] == {}
+    assert settings["model"] == "llama"
+    shape = LLAMA_MODELS["quick"]
+    parameters = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**shape)).parameters())
+    for name, record in records.items():
+        # The engine's FSDP units hold the Llama's parameters once each, as the plain module does.
+        assert record["model"] == "llama" and record["parameters"] == parameters, name
+        assert record["compiled"] is name.endswith("_compiled"), name
+        assert len(record["losses"]) == settings["steps"] and all(map(math.isfinite, record["losses"]))
+        expected_tokens_per_s = (
+            settings["batch_size"] * shape["max_position_embeddings"] / record["step_time_s"]
+        )
+        assert record["tokens_per_s"] == pytest.approx(expected_tokens_per_s)
+        assert record["warmup_s"] == pytest.approx(sum(record["step_times_s"][: settings["warmup"]]))
+    for eager_name, compiled_name in (("fp32", "fp32_compiled"), ("plain_fp32", "plain_fp32_compiled")):
+        eager, compiled = records[eager_name], records[compiled_name]
+        # The same batch every step: the loss falls, so the optimizer steps are compared as well.
+        assert eager["losses"][-1] < eager["losses"][0] - 1e-3, eager["losses"]
+        # Same seed, same data: the compiled blocks train as the eager ones, step for step.
+        assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-4), compiled_name
+        # Compiled once, the two blocks sharing the graphs; none recompiled or fell back to eager.
+        assert compiled["compile"]["compiled_graphs"] > 0, compiled_name
+        assert compiled["compile"]["recompiled_units"] == [] and compiled["compile"]["eager_units"] == []
+        assert "compile" not in eager
+    # The engine (its units materialised from the meta device) starts from the plain module's weights.
+    assert records["fp32"]["losses"][0] == pytest.approx(records["plain_fp32"]["losses"][0], rel=1e-5)
+    table = (tmp_path / "gpu.md").read_text()
+    assert (
+        "A tiny Llama (`--quick`), `transformers`' `LlamaForCausalLM` with SDPA attention "
+        f"({parameters / 1e6:,.1f} M parameters, {parameters:,}; 2 layers, width 64," in table
+    )
+    assert "one FSDP unit per block (`LlamaDecoderLayer`)" in table and "--model llama" in table
+    # "x plain": tokens/s over the plain row of the same compile setting; "warm-up": its steps' time.
+    for name, base in (
+        ("fp32", "plain_fp32"),
+        ("fp32_compiled", "plain_fp32_compiled"),
+        ("plain_fp32", None),
+    ):
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        ratio = f"{records[name]['tokens_per_s'] / records[base]['tokens_per_s']:.3f}" if base else "-"
+        assert cells[9:] == [ratio, f"{records[name]['warmup_s']:.1f} s"], row
+
+
 def test_gpu_mode_without_cuda_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -232,6 +313,69 @@ def test_training_flops_formula_matches_counted_flops() -> None:
         model(input_ids=tokens, labels=tokens)["loss"].backward()
     per_token = training_flops_per_token(matmul_parameters(model), shape["n_layer"], shape["n_embd"], length)
     assert counter.get_total_flops() == pytest.approx(per_token * batch * length, rel=0.01)
+
+
+def test_training_flops_formula_matches_counted_flops_of_the_llama() -> None:
+    # The same for --model llama: N is the layers' weights and the output head, not the (untied)
+    # token embeddings, which are only looked up. SDPA runs its math kernel here, whose matmuls
+    # FlopCounterMode counts (the CPU's fused kernel is not in its table; a GPU's flash kernel is,
+    # as the same 4 T d forward and 8 T d backward per token and layer).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = LLAMA_MODELS["quick"]
+    hidden, vocab, layers = shape["hidden_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    model = LlamaLanguageModel(**shape)
+    assert model.llama.config._attn_implementation == "sdpa"
+    assert model.llama.lm_head.weight is not model.llama.model.embed_tokens.weight
+    key_value_width = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = 2 * hidden * hidden + 2 * hidden * key_value_width + 3 * hidden * shape["intermediate_size"]
+    assert matmul_parameters(model) == layers * per_layer + vocab * hidden
+    batch, length = 3, shape["max_position_embeddings"]
+    tokens = torch.randint(vocab, (batch, length))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids=tokens, labels=tokens)["loss"].backward()
+    per_token = training_flops_per_token(matmul_parameters(model), layers, hidden, length)
+    assert counter.get_total_flops() == pytest.approx(per_token * batch * length, rel=0.01)
+    # Tied, the shared weight counts once, as the head: the same N, vocab x hidden fewer parameters.
+    tied = LlamaLanguageModel(**{**shape, "tie_word_embeddings": True})
+    assert tied.llama.lm_head.weight is tied.llama.model.embed_tokens.weight
+    assert matmul_parameters(tied) == matmul_parameters(model)
+    assert (
+        sum(p.numel() for p in tied.parameters())
+        == sum(p.numel() for p in model.parameters()) - vocab * hidden
+    )
+    # The full shape is TinyLlama-1.1B's: 1,100,048,384 parameters, of which N leaves out the token
+    # embeddings (32,000 x 2,048) and the 45 RMSNorm weights (2 per layer and the final one).
+    full = LLAMA_MODELS["full"]
+    with torch.device("meta"):
+        model = LlamaLanguageModel(**full)
+    assert sum(p.numel() for p in model.parameters()) == 1_100_048_384
+    assert matmul_parameters(model) == 1_100_048_384 - 32000 * 2048 - 45 * 2048
+
+
+def test_gpu_compiled_configurations_mirror_the_eager_ones() -> None:
+    # Each *_compiled configuration is its eager one plus compile, and each engine configuration's
+    # "x plain" is over the plain one of the same precision and compile setting.
+    compiled = {name for name, (options, _) in GPU_CONFIGS.items() if options.get("compile")}
+    assert compiled == {
+        "fp32_compiled",
+        "bf16_mixed_precision_compiled",
+        "torch_bf16_mixed_precision_compiled",
+        "plain_fp32_compiled",
+        "plain_bf16_compiled",
+    }
+    for name in compiled:
+        options, fsdp_options = GPU_CONFIGS[name]
+        eager_options, eager_fsdp_options = GPU_CONFIGS[name.removesuffix("_compiled")]
+        assert options == {**eager_options, "compile": True} and fsdp_options == eager_fsdp_options, name
+    assert baseline_of("fp32") == baseline_of("torch_fp32") == "plain_fp32"
+    assert baseline_of("amp") == baseline_of("amp_mixed_precision") == "plain_amp"
+    assert baseline_of("bf16_mixed_precision") == baseline_of("torch_bf16_mixed_precision") == "plain_bf16"
+    assert baseline_of("fp32_compiled") == "plain_fp32_compiled"
+    assert baseline_of("bf16_mixed_precision_compiled") == "plain_bf16_compiled"
+    assert baseline_of("torch_bf16_mixed_precision_compiled") == "plain_bf16_compiled"
+    assert all(baseline_of(name) is None for name in GPU_CONFIGS if name.startswith("plain_"))
 
 
 def test_peak_tflops_table() -> None:
