@@ -511,3 +511,164 @@ def _is_spawned_worker(pid: int) -> bool:
         return "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return False
+
+
+_INJECTED_STOPS_SCRIPT = """
+import faulthandler, json, os, queue, signal, sys, threading, time
+from sqlitedict import SqliteDict
+from tango_fairscale.launch import signals
+from tango_fairscale.launch.signals import TrainingStopped, stop_workers_on_signals
+
+faulthandler.dump_traceback_later(120, exit=True)
+signals.REDELIVER_AFTER_S = 0.002  # the sweep's many stops, sooner
+RECORDS = sys.argv[1]
+# Where the stop lands: each line of the code a step record's write runs in the main thread.
+FILES = {threading.__file__, queue.__file__, sys.modules["sqlitedict"].__file__}
+
+
+def write_record(value):
+    # What Tango's LocalWorkspace.step_starting does as a step starts.
+    with SqliteDict(RECORDS) as records:
+        records["step"] = value
+        records.commit()
+
+
+def records_still_work():
+    # In a thread of its own: a hang shows as False after 5 s, not as a hung test.
+    done = []
+
+    def read():
+        with SqliteDict(RECORDS) as records:
+            done.append(records["step"])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    return bool(done)
+
+
+def stop_at_line(n, seen):
+    def tracer(frame, event, arg):
+        if event == "line" and frame.f_code.co_filename in FILES:
+            seen[0] += 1
+            if seen[0] == n:
+                os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+
+    return tracer
+
+
+write_record(0)
+results = []
+n = 1
+while True:
+    seen, stopped = [0], False
+    try:
+        with stop_workers_on_signals(grace=1.0, resume_hint=lambda: "rerun it"):
+            sys.settrace(stop_at_line(n, seen))
+            try:
+                write_record(n)
+            finally:
+                sys.settrace(None)
+            time.sleep(3)  # a stop put off until the record was written lands here
+    except TrainingStopped:
+        stopped = True
+    if seen[0] < n:
+        break
+    results.append([n, stopped, records_still_work()])
+    n += 1
+print(json.dumps(results))
+"""
+
+
+def test_a_stop_landing_anywhere_in_a_step_records_write_stops_the_run_and_leaves_it_working(
+    tmp_path: Path,
+) -> None:
+    """
+    A stop signal is handled between two bytecodes, wherever the main thread is. Raised inside
+    ``threading``'s, ``queue``'s or ``sqlitedict``'s code, it can leave a lock held or a request
+    unanswered: CI saw a ``tango run`` print the stop's line after SIGINT and then stay in Tango's
+    ``step_starting`` (writing the step's record with ``SqliteDict``) until the test killed it 60 s
+    later. Here the stop is sent at each line of that code in turn; each time the run must be
+    stopped, and the records must still be written and read afterwards (before: the sweep hung, or
+    failed with "release unlocked lock", at its first injections into ``Thread.start``).
+    """
+    script = tmp_path / "injected_stops.py"
+    script.write_text(_INJECTED_STOPS_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "records.sqlite")],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    results = json.loads(run.stdout)
+    assert len(results) > 100, results  # a line of each of the three modules, and more
+    assert [n for n, stopped, _ in results if not stopped] == [], run.stderr[-3000:]
+    assert [n for n, _, works in results if not works] == [], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
+
+
+_FINALIZER_SCRIPT = """
+import os, signal, sys, time
+from tango_fairscale.launch.signals import (
+    StopSignal, stop_run_on_signals, stop_signals_raise, stop_workers_on_signals,
+)
+
+
+class SignalledWhileFinalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100000):  # the handler runs in here, inside __del__
+            pass
+
+
+def work():
+    SignalledWhileFinalized()  # dropped at once: its __del__ runs
+    time.sleep(5)
+    print("not stopped", flush=True)
+
+
+if sys.argv[1] == "tango run":
+    stop_run_on_signals()
+    work()
+elif sys.argv[1] == "training step":
+    with stop_workers_on_signals(grace=1.0, resume_hint=lambda: "rerun it"):
+        work()
+else:
+    try:
+        with stop_signals_raise():
+            work()
+    except StopSignal as stop:
+        print(f"stopped by {stop.describe()}", file=sys.stderr)
+        sys.exit(stop.exit_status)
+"""
+
+
+@pytest.mark.parametrize("where", ["tango run", "training step", "command"])
+def test_a_stop_landing_inside_a_finalizer_still_stops_the_run(where: str, tmp_path: Path) -> None:
+    """
+    An exception raised inside ``__del__`` is printed as "Exception ignored" and lost. A SIGINT
+    that landed while the garbage collector closed one of Tango's ``SqliteDict`` (make test, torch
+    2.11) was lost that way: the handler logged the stop's line, put Python's default handlers
+    back, and its exception vanished; the step trained on. The stop now waits until the finalizer
+    has returned.
+    """
+    script = tmp_path / "finalizer.py"
+    script.write_text(_FINALIZER_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), where],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 130, (run.stdout, run.stderr)
+    assert "not stopped" not in run.stdout and "Exception ignored" not in run.stderr, run.stderr
+    (line,) = [
+        line for line in run.stderr.splitlines() if "Stopped by SIGINT" in line or "stopped by" in line
+    ]
+    assert "SIGINT" in line, run.stderr

@@ -10,10 +10,153 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 logger = logging.getLogger(__name__)
+
+#: How long a stop signal waits, at most, for the main thread to leave code that an exception must
+#: not unwind (:func:`_unsafe_to_raise`); after that it is acted on where it lands, as before.
+DEFER_AT_MOST_S = 2.0
+#: How soon a deferred signal is sent again.
+REDELIVER_AFTER_S = 0.02
+#: How soon it is sent once more where the handler has not run meanwhile: a signal that arrives
+#: just before the main thread enters a blocking call (a sleep, a wait for its workers) is noted
+#: by Python but does not interrupt that call, and would be handled only once the call returns.
+RESEND_AFTER_S = 0.25
+
+
+def _unsafe_files() -> Dict[str, str]:
+    """
+    The source files of the code a stop must not unwind, by file: ``threading`` and ``queue`` (a
+    lock taken and not yet in its ``with``, or released and not yet re-taken: what waits on it
+    next waits forever), ``sqlitedict`` (Tango's step records: its thread and its caller trade
+    requests through queues, and a caller interrupted between the two hangs at its next
+    request), importlib's locks, and logging's handlers (the stop's own line would re-enter them).
+    """
+    import queue
+
+    modules: Dict[str, Any] = {"threading": threading, "queue": queue, "logging": logging}
+    for name in ("sqlitedict", "rich.console"):
+        if name in sys.modules:
+            modules[name] = sys.modules[name]
+    files = {module.__file__: name for name, module in modules.items()}
+    # Frozen: its code names no file.
+    files["<frozen importlib._bootstrap>"] = "importlib._bootstrap"
+    return files
+
+
+def _unsafe_to_raise(frame: Any) -> Optional[str]:
+    """
+    Why an exception raised from a signal handler must not leave ``frame`` now, or ``None`` where it
+    may. Python runs the handler wherever the main thread is, between two bytecodes: inside a
+    finalizer (``__del__``, a weak reference's callback) the exception is printed as "Exception
+    ignored" and the run goes on unstopped (seen in make test: a SIGINT while the garbage collector
+    closed one of Tango's ``SqliteDict`` left the step training); inside the code of
+    :func:`_unsafe_files` it can leave a lock held or a request unanswered, and the run hangs
+    instead of ending (seen in CI: ``tango run`` still in Tango's ``step_starting`` 60 s after
+    the stop's line).
+    """
+    files = _unsafe_files()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename == weakref.__file__:
+            return "a finalizer"
+        if code.co_filename in files:
+            return files[code.co_filename]
+        frame = frame.f_back
+    return None
+
+
+class _Redelivery:
+    """
+    A daemon thread that sends a deferred stop signal to this process again a moment later. The
+    handler only writes the signal's number to a pipe (no lock taken: it may have interrupted a
+    lock's owner); the thread, started beforehand in ordinary code, does the rest.
+    """
+
+    def __init__(self) -> None:
+        self._write_fd: Optional[int] = None
+        self._pid = 0
+        #: How many times a :func:`when_safe` handler has run: a signal sent again is repeated
+        #: until this changes.
+        self.handled = 0
+
+    def start(self) -> None:
+        """Start the thread, once per process (a forked child starts its own)."""
+        if self._write_fd is not None and self._pid == os.getpid():
+            return
+        read_fd, write_fd = os.pipe()
+        main = threading.main_thread().ident
+        threading.Thread(
+            target=self._run, args=(read_fd, main), name="tango-fairscale-signal-redelivery", daemon=True
+        ).start()
+        self._write_fd, self._pid = write_fd, os.getpid()
+
+    def later(self, signum: int) -> bool:
+        """Send ``signum`` again in :data:`REDELIVER_AFTER_S`; False where the thread is not running."""
+        if self._write_fd is None or self._pid != os.getpid():
+            return False
+        os.write(self._write_fd, bytes([signum]))
+        return True
+
+    def _run(self, read_fd: int, main: Any) -> None:
+        while True:
+            data = os.read(read_fd, 1)
+            if not data:
+                return
+            signum = data[0]
+            time.sleep(REDELIVER_AFTER_S)
+            while True:
+                handled = self.handled
+                # To the main thread: sent to the process, the kernel may hand it to another
+                # thread, and a main thread asleep in a system call would not wake.
+                signal.pthread_kill(main, signum)
+                deadline = time.monotonic() + RESEND_AFTER_S
+                while self.handled == handled and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                # Once more only to a when_safe handler that has not run: any other (the handler
+                # before, put back meanwhile) would act on the copy as on a second signal.
+                current = signal.getsignal(signum)
+                if self.handled != handled or not getattr(current, "when_safe", False):
+                    break
+
+
+_REDELIVERY = _Redelivery()
+
+
+def _start_redelivery() -> None:
+    """Start the thread that sends deferred signals again (:func:`when_safe`), once per process."""
+    _REDELIVERY.start()
+
+
+def when_safe(action: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    """
+    A signal handler that runs ``action(signum, frame)`` (which raises, ending what runs) where its
+    exception can unwind the main thread: where :func:`_unsafe_to_raise` says it cannot, the
+    signal is sent again a moment later, until the main thread has left that code, for
+    :data:`DEFER_AT_MOST_S` at most (code that holds the main thread longer than that gets the
+    stop where it is, as a handler without this would). Whoever installs it calls
+    :func:`_start_redelivery` first, in ordinary code.
+    """
+    deferred_since: List[float] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        _REDELIVERY.handled += 1
+        reason = _unsafe_to_raise(frame)
+        if reason is not None:
+            now = time.monotonic()
+            if not deferred_since:
+                deferred_since.append(now)
+            waited = now - deferred_since[0]
+            if waited < DEFER_AT_MOST_S and _REDELIVERY.later(signum):
+                return
+        deferred_since.clear()
+        action(signum, frame)
+
+    handler.when_safe = True  # type: ignore[attr-defined]
+    return handler
 
 
 def _pid_being_started(frame: Any) -> Optional[int]:
@@ -151,7 +294,7 @@ def _log_stopped(signum: int, workers: str, resume: str, frame: Any = None) -> T
     return stopped
 
 
-def _stop_run(signum: int, frame: Any) -> None:
+def _stop_run_now(signum: int, frame: Any) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handler_to_restore(sig, _stop_run))
     # Another step's workers (an evaluation's), if any: stopped as a training step's are.
@@ -162,6 +305,9 @@ def _stop_run(signum: int, frame: Any) -> None:
         "rerun the same tango run command to go on from the steps it finished (they are in the workspace)",
         frame,
     )
+
+
+_stop_run = when_safe(_stop_run_now)
 
 
 def stop_run_on_signals() -> None:
@@ -176,6 +322,7 @@ def stop_run_on_signals() -> None:
     """
     if threading.current_thread() is not threading.main_thread() or _before_run_handlers:
         return
+    _start_redelivery()
     for sig in STOP_SIGNALS:
         _before_run_handlers[sig] = signal.getsignal(sig)
         signal.signal(sig, _stop_run)
@@ -200,7 +347,7 @@ def stop_workers_on_signals(
         return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop_now(signum: int, frame: Any) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, _handler_to_restore(sig, handler))
         count = terminate_workers(grace, frame)
@@ -208,6 +355,8 @@ def stop_workers_on_signals(
             signum, f"{count} worker(s) stopped" if count else "no worker running yet", resume_hint(), frame
         )
 
+    stop = when_safe(stop_now)
+    _start_redelivery()
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
     try:
@@ -252,10 +401,12 @@ def stop_signals_raise() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop_now(signum: int, frame: Any) -> None:
         restore()
         raise StopSignal(signum)
 
+    stop = when_safe(stop_now)
+    _start_redelivery()
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
     try:
