@@ -70,7 +70,7 @@ import tests.components  # noqa: F401 - registers the test components
 from tango_fairscale import FairScaleTrainingEngine
 from tango_fairscale.preflight import uses_fairscale_engine
 from tango_fairscale.train_step import with_engine_callbacks
-from tests.helpers import REPO, free_port
+from tests.helpers import REPO, dump_stacks, free_port
 
 # The workers' server imports this module by name with the test process's sys.path, whose
 # relative entries resolve against the server's working directory: make the repository's absolute.
@@ -260,12 +260,8 @@ def _wait(processes: Sequence[Any], timeout: float, out: Path) -> List[Optional[
 def _report(processes: Sequence[Any], out: Path) -> str:
     """Each live worker's threads' stacks (printed on SIGUSR1 into its file) and each worker's log tail."""
     alive = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for rank in alive:
-        try:
-            os.kill(processes[rank].pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    time.sleep(2.0 if alive else 0.0)  # each worker writes its stacks from its own signal handler
+    if alive:
+        dump_stacks(*(processes[rank].pid for rank in alive))
     parts = []
     for rank, process in enumerate(processes):
         state = "running" if rank in alive else f"exit code {process.exitcode}"

@@ -362,13 +362,13 @@ def _latest_is(workspace: Path, checkpoint: str) -> bool:
     return False
 
 
-def dump_stacks(pid: int) -> None:
+def dump_stacks(*pids: int) -> None:
     """
-    Have ``pid`` and every process below it print their threads' Python stacks to their standard
-    error (tests/components.py registers the handler in each process of a ``tango run``): what a
-    test shows of a run that did not end in time.
+    Have each of ``pids`` and every process below them print their threads' Python stacks to their
+    standard error or the file they named (tests/components.py and tests/harness.py register the
+    handler in each process): what a test shows of a run that did not end in time.
     """
-    for process in [pid, *descendants(pid)]:
+    for process in [every for pid in pids for every in (pid, *descendants(pid))]:
         try:
             os.kill(process, signal.SIGUSR1)
         except ProcessLookupError:
