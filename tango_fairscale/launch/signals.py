@@ -33,7 +33,9 @@ def _unsafe_files() -> Dict[str, str]:
     lock taken and not yet in its ``with``, or released and not yet re-taken: what waits on it
     next waits forever), ``sqlitedict`` (Tango's step records: its thread and its caller trade
     requests through queues, and a caller interrupted between the two hangs at its next
-    request), importlib's locks, and logging's handlers (the stop's own line would re-enter them).
+    request), and logging's handlers (the stop's own line would re-enter them). Not importlib: an
+    import can take seconds (the training step's pre-flight imports), and a stop waiting for it
+    let the workers start meanwhile.
     """
     import queue
 
@@ -41,10 +43,7 @@ def _unsafe_files() -> Dict[str, str]:
     for name in ("sqlitedict", "rich.console"):
         if name in sys.modules:
             modules[name] = sys.modules[name]
-    files = {module.__file__: name for name, module in modules.items()}
-    # Frozen: its code names no file.
-    files["<frozen importlib._bootstrap>"] = "importlib._bootstrap"
-    return files
+    return {module.__file__: name for name, module in modules.items()}
 
 
 def _unsafe_to_raise(frame: Any) -> Optional[str]:
