@@ -9,6 +9,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
+# Test files run in this many pytest processes side by side (pytest-xdist, one file per process at
+# a time, so a module's shared runs are made once). Two on the 2-core reference machine: most of a
+# test's time is waiting on its workers and subprocesses, not computing (17 min serially, 11 min
+# in two). 0 runs them in pytest's own process. make test-all runs serially: its capacity runs
+# measure each process's memory under a limit.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo demo-toy demo-finetune demo-finetune-lora demo-capacity test test-all lint clean
 
@@ -73,7 +79,7 @@ demo-capacity: install
 # CONTRIBUTING.md lists them). Everything else runs in both, end-to-end `tango run`s included; the
 # markers are registered in pyproject.toml.
 test: install
-	$(BIN)/python -m pytest -q -m "not capacity and not netns and not extended" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not capacity and not netns and not extended" $(PYTEST_ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
