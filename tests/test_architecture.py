@@ -31,6 +31,18 @@ def test_no_import_cycle() -> None:
     )
 
 
+#: The most lines a module of the package may have (CONTRIBUTING.md: one concern to a module).
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_over_800_lines() -> None:
+    modules = sorted((REPO / "tango_fairscale").rglob("*.py"))
+    lengths = {path.relative_to(REPO): len(path.read_text().splitlines()) for path in modules}
+    print(f"{len(lengths)} modules, the longest {max(lengths.values())} lines")
+    assert len(lengths) > 100  # the whole package, its subfolders included
+    assert {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
 def test_the_cycle_finder_finds_cycles() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.cycles(edges) == [["a", "b", "c"]]
