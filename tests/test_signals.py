@@ -514,6 +514,20 @@ def _is_spawned_worker(pid: int) -> bool:
         return False
 
 
+def _run_script(tmp_path: Path, text: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``text`` run as a script of its own in a fresh Python, with the repository importable."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 _INJECTED_STOPS_SCRIPT = """
 import faulthandler, json, os, queue, signal, sys, threading, time
 from sqlitedict import SqliteDict
@@ -594,16 +608,7 @@ def test_a_stop_landing_anywhere_in_a_step_records_write_stops_the_run_and_leave
     stopped, and the records must still be written and read afterwards (before: the sweep hung, or
     failed with "release unlocked lock", at its first injections into ``Thread.start``).
     """
-    script = tmp_path / "injected_stops.py"
-    script.write_text(_INJECTED_STOPS_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "records.sqlite")],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _run_script(tmp_path, _INJECTED_STOPS_SCRIPT, str(tmp_path / "records.sqlite"), timeout=300)
     assert run.returncode == 0, run.stderr[-6000:]
     results = json.loads(run.stdout)
     assert len(results) > 100, results  # a line of each of the three modules, and more
@@ -657,16 +662,7 @@ def test_a_stop_landing_inside_a_finalizer_still_stops_the_run(where: str, tmp_p
     back, and its exception vanished; the step trained on. The stop now waits until the finalizer
     has returned.
     """
-    script = tmp_path / "finalizer.py"
-    script.write_text(_FINALIZER_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), where],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _run_script(tmp_path, _FINALIZER_SCRIPT, where, timeout=60)
     assert run.returncode == 130, (run.stdout, run.stderr)
     assert "not stopped" not in run.stdout and "Exception ignored" not in run.stderr, run.stderr
     (line,) = [
