@@ -6,6 +6,7 @@ engine fine-tunes ``from_pretrained``'s model, and a fine-tuning run with dropou
 checkpoint and rerun ends as the uninterrupted run. In the test's own workers (:mod:`tests.harness`).
 """
 
+import gc
 import json
 import shutil
 import subprocess
@@ -207,8 +208,57 @@ def test_pretrained_files_are_read_through_a_mapping_that_is_not_private_memory(
     # Mapped read-only and shared, its pages are the page cache's.
     print(f"VmData grew by {grown} KiB reading a 64 MiB file")
     assert grown < 8 * 1024
-    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "model.safetensors" in line]
+    # This file's mappings only: another test in the same process may have mapped a file of that name.
+    maps = _mappings_under(tmp_path)
     assert maps and all(line.split()[1] == "r--s" for line in maps), maps
+    del read
+    assert _mappings_under(tmp_path) == [], "a tensor read and dropped left its file mapped"
+
+
+def _mappings_under(directory: Path) -> List[str]:
+    """This process's memory mappings of files under ``directory`` (lines of ``/proc/self/maps``)."""
+    root = str(directory.resolve()) + "/"
+    return [
+        line for line in Path("/proc/self/maps").read_text().splitlines() if line.split()[-1].startswith(root)
+    ]
+
+
+@pytest.mark.parametrize("one_allocation", [True, False])
+def test_reading_a_pretrained_directory_leaves_none_of_its_files_mapped_once_done(
+    pretrained: Path, tmp_path: Path, one_allocation: bool
+) -> None:
+    """
+    Pre-flight's check, a build on meta and its materialisation read the files; once the values
+    are copied out (or the model dropped) nothing of the directory stays mapped, by reference
+    count alone: the cyclic garbage collector is off, as it may not run for a long while in a
+    worker or in a ``plan``.
+    """
+    from tango_fairscale.materialize import materialize_module
+
+    directory = tmp_path / "gpt2"
+    shutil.copytree(pretrained, directory)
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        check_pretrained(str(directory), init_on_meta=False)
+        check_pretrained(str(directory), init_on_meta=True)
+        assert _mappings_under(directory) == [], "pre-flight's check"
+        with parameters_on_meta():
+            model = from_pretrained(str(directory), config_overrides=NO_DROPOUT)
+        materialize_module(model, torch.device("cpu"), root=model, one_allocation=one_allocation)
+        if one_allocation:
+            # The unit's parameters are views of the files until it is sharded: copied out here.
+            for param in model.parameters():
+                param.data = param.data.clone()
+        assert _mappings_under(directory) == [], "the materialised model, its values copied out"
+        saved = load_file(str(pretrained / "model.safetensors"))  # the original's: safetensors maps it
+        assert all(torch.equal(param, saved[name]) for name, param in model.named_parameters())
+        del model
+        assert _mappings_under(directory) == [], "the model dropped"
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _in_mapping_of(tensor: torch.Tensor, file_name: str) -> bool:

@@ -3,8 +3,10 @@ Reading the safetensors files ``save_pretrained`` writes, one tensor at a time, 
 process paying for the whole file: each file is mapped read-only and shared (``MAP_SHARED``,
 ``PROT_READ``), so its pages are the page cache's, not the process's private memory
 (``safetensors``' own ``safe_open`` maps a file private and writable, which ``VmData``,
-``RLIMIT_DATA`` and cgroups count in full while it is open). Headers and indexes are checked
-against the files, so a damaged file is named, not read past its end.
+``RLIMIT_DATA`` and cgroups count in full while it is open). Each tensor read maps only its own
+pages and owns that mapping: it is unmapped when the tensor is dropped, so nothing stays mapped
+once what was read has been copied (sharded) or thrown away, whoever still holds the reader.
+Headers and indexes are checked against the files, so a damaged file is named, not read past its end.
 """
 
 import json
@@ -124,9 +126,11 @@ def read_index(index: Path) -> Dict[str, str]:
 class SafetensorsFiles:
     """
     The tensors of a ``save_pretrained`` directory by name, each read on its own from its
-    memory-mapped file: reading one does not read the others. The files are mapped read-only and
-    shared (``MAP_SHARED``, ``PROT_READ``): the pages are the page cache's, and a tensor read is
-    a view of them, which sharding copies out of (a write through it would fault, not reach the file).
+    memory-mapped file: reading one does not read the others. A tensor read is a view of a mapping
+    of its own pages, read-only and shared (``MAP_SHARED``, ``PROT_READ``): the pages are the page
+    cache's, sharding copies out of them (a write through the view would fault, not reach the
+    file), and the mapping lives exactly as long as the tensor. The object itself holds no mapping
+    and no open file, so a reader kept on a parameter (or in a reference cycle) pins nothing.
     """
 
     def __init__(self, directory: Path, source: str = "fairscale::from_pretrained") -> None:
@@ -154,7 +158,6 @@ class SafetensorsFiles:
                 f"(transformers' default), {fix}."
             )
         self._headers: Dict[Path, Tuple[int, Dict[str, Dict[str, Any]]]] = {}
-        self._maps: Dict[Path, mmap.mmap] = {}
 
     def names(self) -> List[str]:
         return list(self.file_of)
@@ -177,15 +180,17 @@ class SafetensorsFiles:
         count = math.prod(shape)
         if count == 0:  # nothing to map (frombuffer takes no empty range)
             return torch.empty(shape, dtype=dtype)
-        if path not in self._maps:
-            with open(path, "rb") as handle:
-                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        begin, end = data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1]
+        # A mapping starts at a multiple of the allocation granularity: map from the one below.
+        start = begin - begin % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), end - start, access=mmap.ACCESS_READ, offset=start)
         with warnings.catch_warnings():
             # That the buffer is read-only is the point: the tensor is copied, never written.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            tensor = torch.frombuffer(
-                self._maps[path], dtype=dtype, count=count, offset=data_start + entry["data_offsets"][0]
-            )
+            # frombuffer keeps a reference to ``mapping`` until the tensor's storage is freed: the
+            # mapping is closed (unmapped) with the last view of it, by reference count, not gc.
+            tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=begin - start)
         return tensor.view(shape)
 
     def reader(self, name: str) -> Callable[[], torch.Tensor]:
