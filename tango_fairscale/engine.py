@@ -163,6 +163,18 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         the share when the workers leave cores idle (e.g. while waiting on collectives over a slow
         network). GPU workers are left alone. The metrics log's run line records the number and
         where it came from.
+    :param param_dtype:
+        The dtype the parameters are held and updated in (the master weights, and so the optimizer
+        state and the gradients reduced into them). Unset (the default): float32, whatever the
+        model was built or loaded in: a checkpoint saved in bfloat16 or float16 (as hub
+        checkpoints are; transformers 5 loads them in their own dtype) is upcast unit by unit
+        right before each unit is sharded. ``fsdp_config.mixed_precision`` then gathers, computes
+        and reduces in bfloat16 while updates keep float32's resolution. ``"bfloat16"`` or
+        ``"float16"`` (``backend: "torch"`` only) trains in that dtype purely: half of float32's
+        memory for parameters, gradients and optimizer state, but an update smaller than about
+        1/128 (bfloat16) of a weight is rounded away; the run says so in one line.
+        ``weights.pt`` and checkpoints hold the parameters in this dtype; ``export_hf`` writes each
+        tensor in the dtype of the pretrained checkpoint it was loaded from (see ``docs/precision.md``).
     """
 
     def __init__(
@@ -186,6 +198,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         export_hf: Optional[str] = _DEFAULTS.export_hf,
         export_hf_merged: Optional[str] = _DEFAULTS.export_hf_merged,
         cpu_threads_per_worker: Optional[int] = _DEFAULTS.cpu_threads_per_worker,
+        param_dtype: Optional[str] = _DEFAULTS.param_dtype,
     ) -> None:
         on_cpu = devices_are_cpu(train_config.devices)
         self.options = EngineOptions(
@@ -203,6 +216,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
             export_hf=export_hf,
             export_hf_merged=export_hf_merged,
             cpu_threads_per_worker=cpu_threads_per_worker,
+            param_dtype=param_dtype,
         )
         self.fsdp_config = fsdp_config or FSDPConfig()
         #: The hosts of a launch across hosts (``None`` on one host): see tango_fairscale.launch.
@@ -226,6 +240,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
                 verify_checkpoints=verify_checkpoints,
                 hosts=self.hosts,
                 on_cpu=on_cpu,
+                precision=self.options.precision,
             )
         )
         self.accumulate_grads_locally = accumulate_grads_locally

@@ -19,6 +19,7 @@ from .backends.lookup import BACKENDS, DEFAULT_BACKEND, backend_class
 from .config import FSDPConfig
 from .cpu.threads import available_cores
 from .fsdp_options import FSDPOptions
+from .precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,13 @@ class EngineOptions:
     #: CPU workers: torch's intra-op threads per worker (default: ``OMP_NUM_THREADS`` if set, else
     #: the host's cores divided by its workers, at least 1). Ignored on GPU workers.
     cpu_threads_per_worker: Optional[int] = None
+    #: The dtype parameters are held and updated in (:mod:`tango_fairscale.precision`): unset, float32
+    #: master weights (bfloat16 and float16 parameters upcast); a low-precision dtype trains in it purely.
+    param_dtype: Optional[str] = None
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.from_option(self.param_dtype)
 
     @classmethod
     def field_names(cls) -> List[str]:
@@ -142,6 +150,7 @@ class EngineOptions:
         if not timeout > 0:
             raise ConfigurationError(f"{_PREFIX}collective_timeout: must be positive, got {timeout!r}.")
         check_cpu_threads(self.cpu_threads_per_worker)
+        check_param_dtype(self.param_dtype, self.backend, warn=warn)
         cores = available_cores()
         if on_cpu and self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker > cores:
             # OpenMP cannot start that many threads (libgomp failed at 10000); beyond the cores
@@ -173,6 +182,20 @@ def check_exports_apart(export_hf: Any, export_hf_merged: Any) -> None:
             f"{_PREFIX}export_hf_merged: {export_hf_merged!r} overlaps export_hf {export_hf!r} (the "
             "adapter export it merges): give the two exports separate directories."
         )
+
+
+def check_param_dtype(value: Any, backend: str, *, warn: bool) -> None:
+    """``param_dtype``: a dtype the backend trains in; pure low precision said once, with its cost."""
+    precision = Precision.from_option(value)
+    supported = backend_class(backend).low_precision_parameters
+    if precision.pure_low_precision and precision.param_dtype not in supported:
+        raise ConfigurationError(
+            f'{_PREFIX}param_dtype: {value!r} needs backend: "torch" (FairScale\'s FSDP trains float32 '
+            "parameters only). Remove param_dtype for float32 master weights (with fsdp_config."
+            'mixed_precision to compute in bfloat16), or set backend: "torch".'
+        )
+    if warn and precision.pure_low_precision:
+        warnings.warn(f"{_PREFIX}param_dtype: {precision.describe()}.", UserWarning, stacklevel=3)
 
 
 def check_cpu_threads(value: Any) -> None:

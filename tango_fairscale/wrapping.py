@@ -205,23 +205,28 @@ def _outermost(names: Sequence[str]) -> List[str]:
     return [n for n in names if not any(n.startswith(other + ".") for other in names)]
 
 
-def disable_hf_kv_cache(model: nn.Module) -> None:
+def disable_hf_kv_cache(model: nn.Module, *, compiled: bool = False) -> None:
     """
     Hugging Face models keep a key/value cache object that each attention block appends to
-    during forward. A checkpointed block runs its forward again in backward and would append
-    to the same cache a second time, so the recomputed attention would see every key twice and
-    produce wrong gradients. Like Hugging Face's own gradient checkpointing, turn the cache off
-    (it is only useful for generation).
+    during forward (``use_cache``, on by default); it only serves generation. Turned off here:
+
+    - for activation checkpointing: a checkpointed block runs its forward again in backward and
+      would append to the same cache a second time, so the recomputed attention would see every
+      key twice and produce wrong gradients (Hugging Face's own gradient checkpointing does so too);
+    - for compiled units (``compiled``): each layer reads its own slot of the cache (its
+      ``layer_idx``), so every decoder layer compiled a graph of its own, until dynamo's recompile
+      limit (8) left the later layers eager. Without it the layers share one graph.
     """
+    why = (
+        "compiled layers would each compile a graph of their own around it"
+        if compiled
+        else "a recomputed block would add to the key/value cache twice"
+    )
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
             config.use_cache = False  # type: ignore[union-attr]
-            logger.info(
-                "Activation checkpointing: set %s.config.use_cache = False (a recomputed block would "
-                "add to the key/value cache twice)",
-                type(module).__name__,
-            )
+            logger.info("Training: set %s.config.use_cache = False (%s)", type(module).__name__, why)
 
 
 def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -415,8 +420,8 @@ def with_wrapped_modules(
     )
     if plan.fsdp:
         plan.check_shared_parameters(model)
-    if plan.checkpointed:
-        disable_hf_kv_cache(model)
+    if plan.checkpointed or plan.compile is not None:
+        disable_hf_kv_cache(model, compiled=plan.compile is not None)
     # A plain attribute, not a submodule or parameter: invisible to state dicts. The engine's
     # backend applies the plan in its build; the model Tango builds in the main process for the
     # final weights stays the plain model, with its parameter names.

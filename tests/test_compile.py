@@ -15,7 +15,8 @@ from torch import nn
 
 from tango_fairscale.compiling import CompileConfig, compile_config, compile_unit, innermost, stats
 from tests import harness
-from tests.helpers import max_abs_difference, toy_model, train_config
+from tests.conftest import TinyPretrained
+from tests.helpers import TINY_LLAMA, max_abs_difference, toy_model, train_config
 from tests.test_lora import pretrained  # noqa: F401 - a fixture
 
 TOLERANCE = 1e-5
@@ -219,3 +220,71 @@ def test_compiled_in_bfloat16_mixed_precision_strays_from_eager_less_than_bfloat
     eager_from_float32 = max_abs_difference(weights["eager"], weights["float32"])
     print(f"[{backend}] compiled - eager {compiled_from_eager:.3g}, eager - float32 {eager_from_float32:.3g}")
     assert 0 < eager_from_float32 and compiled_from_eager <= eager_from_float32
+
+
+#: A Hugging Face Llama of 12 decoder layers, small enough to compile in seconds on a CPU.
+DEEP_LLAMA = {
+    **TINY_LLAMA,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 12,
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_layer_of_a_deep_hugging_face_model_runs_compiled_sharing_one_graph(
+    backend: str, tiny_pretrained: TinyPretrained, tmp_path: Path
+) -> None:
+    """
+    With transformers' defaults (``use_cache`` on): each layer read its own slot of the key/value
+    cache, compiled a graph of its own, and past dynamo's recompile limit (8) the later layers ran
+    eagerly. Compiled, the 12 layers share their graphs and the run ends within 1e-5 of eager.
+    """
+    directory = tiny_pretrained(DEEP_LLAMA, seed=17)
+    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
+
+    def experiment(compile: Any) -> Dict[str, Any]:
+        model = {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(directory)}
+        config = train_config(
+            model={
+                "type": "fairscale::with_wrapped_modules",
+                "model": model,
+                "wrap_module_classes": ["LlamaDecoderLayer"],
+                "fsdp_config": {},
+                **({"compile": compile} if compile is not None else {}),
+            },
+            train_steps=3,
+            checkpoint_every=3,
+            callbacks=[],
+            engine_extra={"backend": backend},
+        )
+        config["steps"]["data"] = {
+            "type": "test::lm_data",
+            "vocab_size": DEEP_LLAMA["vocab_size"],
+            "length": 16,
+        }
+        return config
+
+    results = harness.run(
+        [
+            harness.Train(experiment(None), tmp_path / "eager"),
+            harness.Train(experiment(True), tmp_path / "compiled"),
+            harness.Call(_compile_stats),
+        ],
+        out=tmp_path / "harness",
+        timeout=600,
+    )
+    for result in results:
+        result.check()
+    compiled = results[2].workers[0].value
+    assert "recompile_limit" not in results[1].logs and "cache_size_limit" not in results[1].logs
+    assert compiled["eager_units"] == [], compiled
+    # Forward and backward of one layer's graph, whichever of the 12 layers runs it.
+    assert 1 <= compiled["compiled_graphs"] <= 2, compiled
+    assert "use_cache = False" in results[1].logs
+    a = torch.load(tmp_path / "eager" / "weights.pt", weights_only=True)
+    b = torch.load(tmp_path / "compiled" / "weights.pt", weights_only=True)
+    difference = max_abs_difference(a, b)
+    print(f"[{backend}] 12-layer Llama, compiled vs eager: {difference:.3e}")
+    assert difference <= TOLERANCE, difference

@@ -41,6 +41,7 @@ from ..cpu.memory import MMAP_THRESHOLD_BYTES
 from ..finetune.lora import adapter_config_of
 from ..fsdp_options import FSDPOptions
 from ..launch import HostWorld, multihost
+from ..precision import Precision
 from ..topology import Topology
 
 #: The marker's field holding the peft adapter's config, for a model holding a ``PeftModel``.
@@ -74,6 +75,8 @@ class BackendContext:
     hosts: Optional[HostWorld]
     #: Whether the workers compute on CPUs (gloo) rather than GPUs (NCCL).
     on_cpu: bool
+    #: The dtype each parameter is held and updated in; applied to a unit right before it is sharded.
+    precision: Precision = dataclasses.field(default_factory=Precision)
 
     @property
     def topology(self) -> Topology:
@@ -238,6 +241,8 @@ class Backend(ABC):
     name: ClassVar[str]
     #: Whether ``hybrid_sharding`` (shards within a host, replicas across hosts) is possible.
     supports_hybrid_sharding: ClassVar[bool] = False
+    #: The parameter dtypes below float32 it can train in (``training_engine.param_dtype``).
+    low_precision_parameters: ClassVar[Tuple[torch.dtype, ...]] = ()
     #: On CPU workers, allocations of this many bytes or more get their own memory mappings
     #: (:func:`~tango_fairscale.cpu.memory.limit_cpu_heap_growth`): the size of the buffers this
     #: backend allocates and frees every step, below which they fragment the heap.

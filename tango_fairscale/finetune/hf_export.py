@@ -159,6 +159,20 @@ def model_class_of(config: Any) -> Any:
     return model_class
 
 
+def export_dtype(config: Any) -> Optional[torch.dtype]:
+    """
+    The floating-point dtype a ``transformers`` config records for its weights (``dtype``, earlier
+    ``torch_dtype``: what ``save_pretrained`` wrote them in), ``None`` when it records none.
+    """
+    for field in ("dtype", "torch_dtype"):
+        value = config.__dict__.get(field)
+        if isinstance(value, str):
+            value = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype) and value.is_floating_point:
+            return value
+    return None
+
+
 def export_hf(
     source: TensorSource,
     directory: Path,
@@ -175,7 +189,9 @@ def export_hf(
     Write ``directory`` from ``source`` (the state of a model holding a ``transformers`` model of
     ``config``, possibly inside the user's own module: :func:`weights_file`,
     :func:`model_source_tensors`), atomically. ``model_class`` defaults to the config's first
-    ``architectures`` entry. Returns ``directory``.
+    ``architectures`` entry. Floating-point tensors are written in the dtype ``config`` records
+    (:func:`export_dtype`: a bfloat16 checkpoint's fine-tuning is exported in bfloat16, though it
+    trained float32 master weights), else as they are. Returns ``directory``.
 
     ``directory`` may be new or an earlier export; anything else is refused with a
     :class:`CheckpointError` naming it (:func:`~tango_fairscale.output_paths.check_output`, told
@@ -193,13 +209,25 @@ def export_hf(
     if missing:
         raise CheckpointError(f"The trained weights lack {missing[:5]} of {model_class.__name__}.")
     tensors = {name: available[prefix + name] for name in names}
+    # The dtype the checkpoint was saved in (its config.json's), as the hub expects: the run trained
+    # float32 master weights of a bfloat16 checkpoint, and exports bfloat16 again.
+    saved = export_dtype(config)
+    if saved is not None:
+        tensors = {
+            name: (shape, saved if dtype.is_floating_point else dtype)
+            for name, (shape, dtype) in tensors.items()
+        }
+
+    def produce(name: str) -> torch.Tensor:
+        tensor = read(prefix + name)
+        return tensor.to(saved) if saved is not None and tensor.is_floating_point() else tensor
 
     def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         generation = getattr(model_class, "can_generate", None)
         if callable(generation) and generation():
             transformers.GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        _write_weights(tmp, tensors, lambda name: read(prefix + name), max_shard_bytes)
+        _write_weights(tmp, tensors, produce, max_shard_bytes)
         _copy_tokenizer(tokenizer_from, tmp)
 
     return _write_directory(directory, fill)

@@ -19,6 +19,7 @@ from ..engine import FairScaleTrainingEngine
 from ..finetune.pretrained import shapes_only
 from ..materialize import check_initialisable, parameters_on_meta
 from ..options import EngineOptions, check_backend
+from ..precision import dtype_name
 from .batch import batch_spec
 from .estimate import Plan, Unit
 from .measure import measure_activations
@@ -109,12 +110,18 @@ def _make_plan(
     engine_fsdp = options.fsdp_config or FSDPConfig()
     unit_fsdp = FSDPConfig.from_params(Params(dict(wrapper.get("fsdp_config") or {})))
     parameters = list(model.parameters())
-    element_size = parameters[0].element_size() if parameters else 4
+    built_dtype = parameters[0].dtype if parameters else torch.float32
+    # What the workers hold: the engine's master dtype (a bfloat16 checkpoint is upcast), DDP's as built.
+    held_dtype = options.precision.held_dtype(built_dtype) if sharded else built_dtype
+    element_size = held_dtype.itemsize
+
+    def compute_dtype(config: FSDPConfig) -> torch.dtype:
+        if not sharded or not config.mixed_precision:
+            return held_dtype
+        return config.resolved_compute_dtype(on_cpu=device == "cpu")
 
     def compute_size(config: FSDPConfig) -> int:
-        if not sharded or not config.mixed_precision:
-            return element_size
-        return config.resolved_compute_dtype(on_cpu=device == "cpu").itemsize
+        return compute_dtype(config).itemsize
 
     # Deepest first: each unit owns the parameters not already owned by a unit nested in it.
     claimed: Set[int] = set()
@@ -185,6 +192,9 @@ def _make_plan(
         accumulates_unsharded=sharded and bool(options.accumulate_grads_locally) and grad_accum > 1,
         device=device,
         device_memory=device_memory,
+        built_dtype=dtype_name(built_dtype),
+        parameter_dtype=dtype_name(held_dtype),
+        compute_dtype=dtype_name(compute_dtype(engine_fsdp)),
     )
     plan.batch, plan.batch_note = batch_spec(step, steps or {}, model, sequence_length, sample_data)
     if measure:

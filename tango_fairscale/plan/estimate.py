@@ -147,6 +147,12 @@ class Plan:
     """The memory of one device (or, on CPU workers, one worker's share of the host) to judge against."""
     from_config_only: List[str] = field(default_factory=list)
     """Pretrained directories without weight files, planned from their ``config.json`` alone."""
+    built_dtype: str = "float32"
+    """The dtype the model's parameters are built (or loaded) in."""
+    parameter_dtype: str = "float32"
+    """What the workers hold and update them in (:mod:`tango_fairscale.precision`), :attr:`element_size`."""
+    compute_dtype: str = "float32"
+    """The dtype the root unit gathers and computes in: :attr:`compute_element_size`'s."""
 
     @property
     def units(self) -> List[Unit]:
@@ -374,6 +380,11 @@ class Plan:
             "optimizer_note": self.optimizer_note or None,
             "parameters": self.total_numel,
             "trainable_parameters": self.trainable_numel,
+            "dtypes": {
+                "built": self.built_dtype,
+                "parameters": self.parameter_dtype,
+                "compute": self.compute_dtype,
+            },
             "units": [
                 {
                     "name": unit.name,

@@ -11,6 +11,16 @@ from .text import human
 CPU_RESIDENT_FACTORS = (1.3, 1.9)
 
 
+def _dtype_line(plan: Plan) -> str:
+    """What the parameters are built in, held (updated) in and computed in: the byte counts below follow."""
+    held = f"Parameters held and updated in {plan.parameter_dtype}"
+    if plan.built_dtype != plan.parameter_dtype:
+        held += f" (built in {plan.built_dtype}, upcast before sharding)"
+    elif plan.sharded and plan.parameter_dtype in ("bfloat16", "float16"):
+        held += " (training_engine.param_dtype: pure low precision)"
+    return f"{held}; gathered and computed in {plan.compute_dtype}."
+
+
 def render(plan: Plan) -> str:
     """The plan as a text tree and tables, for people."""
     states = plan.states_per_parameter
@@ -23,6 +33,7 @@ def render(plan: Plan) -> str:
         f"Built on {where}: {meaning}. The workers build it {workers} (init_on_meta: "
         f"{'true' if plan.init_on_meta else 'false'}).",
     ]
+    lines.append(_dtype_line(plan))
     for directory in plan.from_config_only:
         lines.append(
             f"Planned from {directory}/config.json alone (it holds no model.safetensors): the shapes are "

@@ -42,6 +42,7 @@ from ...errors import WrapConfigurationError
 from ...fsdp_options import FSDPOptions
 from ...launch import HostWorld, multihost
 from ...materialize import has_meta_parameters, materialize_module, parameters_on_meta, real_parameters
+from ...precision import FLOAT32_MASTER, Precision, announce
 from ...wrapping import WrapPlan, recorded_plan, replace_submodule, require_parameters
 from ..base import Backend, LoadedCheckpoint, MemoryModel, ModelSource, UnitShape
 from ..lookup import check_written_by, holds_worker_files
@@ -85,6 +86,9 @@ class FairScaleBackend(Backend):
     name = "fairscale"
     format_description = "FairScale's flat shards"
     supports_hybrid_sharding = False
+    # FairScale's FSDP takes float32 parameters, or float16 ones in its pure float16 mode only
+    # (its constructor's "Expecting FP16 param type" checks): no pure bfloat16.
+    low_precision_parameters = ()
 
     #: ``(canonical, alias)`` paths of modules reachable under several names, saved with the model.
     module_aliases: List[Any] = []
@@ -131,7 +135,7 @@ class FairScaleBackend(Backend):
             else context.train_config.worker_local_default_device
         )
         with real_parameters():
-            apply_wrap_plan(model, plan, worker_device())
+            cast = apply_wrap_plan(model, plan, worker_device(), precision=context.precision)
             if has_meta_parameters(model):
                 # The root's own parameters: those the plan's units did not take.
                 materialize_module(
@@ -144,6 +148,9 @@ class FairScaleBackend(Backend):
         if not worker_computes_on_cpu() and not root_config.move_params_to_cpu:
             model.to(context.train_config.worker_local_default_device)
         self.module_aliases = module_aliases(model)
+        for name, count in context.precision.cast_parameters(model, skip=is_unit).items():
+            cast[name] = cast.get(name, 0) + count
+        announce(context.precision, cast, context.rank)
         root = wrap(root_config, model)
         # FairScale makes the bucket all units share at the first forward, of the root's size:
         # no larger than the gradients that go into it (bucketing.py), the same collectives.
@@ -449,15 +456,18 @@ def _check_same_optimizer(
     check_same_optimizer([list(group) for group in saved.get("param_groups", [])], optimizer, checkpoint_dir)
 
 
-def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> None:
+def apply_wrap_plan(
+    model: nn.Module, plan: WrapPlan, device: torch.device, *, precision: Precision = FLOAT32_MASTER
+) -> Dict[str, int]:
     """
     Apply ``plan`` to ``model`` in place with FairScale: each selected module, deepest first (so
     that a parent is wrapped after, and around, its wrapped children), is allocated if its
     parameters are on ``meta`` (``init_on_meta``: one unit at a time, right before it is sharded),
     checkpointed with FairScale's :func:`checkpoint_wrapper` if the plan says so, and made an FSDP
     unit with the plan's ``unit_config``. A unit may hold frozen and trainable parameters: they
-    become two flat parameters (patch F7), and the frozen one gets no gradient. Needs a process
-    group when the plan has FSDP units.
+    become two flat parameters (patch F7), and the frozen one gets no gradient. Right before a
+    unit is made, its parameters are cast to the dtype ``precision`` holds them in. Needs a
+    process group when the plan has FSDP units. Returns how many parameters were cast, by dtype.
     """
     if plan.checkpointed and not plan.fsdp:
         raise WrapConfigurationError(CHECKPOINT_WITHOUT_UNITS)
@@ -466,6 +476,7 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
     offload = plan.fsdp and unit_config.move_params_to_cpu
     unit_device = torch.device("cpu") if offload or not plan.fsdp else device
     units = set(plan.fsdp_units)
+    cast: Dict[str, int] = {}
     for name in plan.selected:
         module = model.get_submodule(name)
         if name in units and has_meta_parameters(module):
@@ -476,6 +487,9 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
                 one_allocation=unit_config.flatten_parameters,
                 is_unit=is_unit,
             )
+        if name in units:
+            for dtype, count in precision.cast_parameters(module, skip=is_unit).items():
+                cast[dtype] = cast.get(dtype, 0) + count
         if name in plan.checkpointed:
             module = checkpoint_wrapper(module, offload_to_cpu=plan.offload_activations)
         if plan.compile is not None and name in plan.compiled:
@@ -489,6 +503,7 @@ def apply_wrap_plan(model: nn.Module, plan: WrapPlan, device: torch.device) -> N
         " in FSDP" if plan.fsdp else "",
         f", {len(plan.checkpointed)} checkpointed" if plan.checkpointed else "",
     )
+    return cast
 
 
 def is_unit(module: nn.Module) -> bool:

@@ -19,6 +19,7 @@ from ...checkpointing.streaming import stream_save
 from ...fsdp_options import FSDPOptions
 from ...launch import multihost
 from ...materialize import parameters_on_meta
+from ...precision import announce
 from ...wrapping import WrapPlan, recorded_plan, require_parameters
 from ..base import Backend, LoadedCheckpoint, MemoryModel, ModelSource, UnitShape
 from . import checkpoint, sharding
@@ -33,6 +34,8 @@ class TorchBackend(Backend):
     name = "torch"
     format_description = "DCP"
     supports_hybrid_sharding = True
+    # FSDP2 shards parameters of any dtype; MixedPrecisionPolicy casts from theirs.
+    low_precision_parameters = (torch.bfloat16, torch.float16)
     # FSDP2 gathers into and frees one tensor per parameter, not one per unit (2.25 to 9 MiB each
     # for GPT-2 of width 768): under the fairscale backend's 16 MiB those fragment the heap. At 4
     # MiB the larger ones get mappings of their own while a step's smaller tensors (its
@@ -94,7 +97,12 @@ class TorchBackend(Backend):
                 mesh.mesh_dim_names,
                 " x ".join(str(size) for size in mesh.shape),
             )
-        return sharding.shard_model(model, plan, context.fsdp_config, mesh)
+        cast: Dict[str, int] = {}
+        sharded = sharding.shard_model(
+            model, plan, context.fsdp_config, mesh, precision=context.precision, cast=cast
+        )
+        announce(context.precision, cast, context.rank)
+        return sharded
 
     def make_grad_scaler(self, amp_dtype: torch.dtype) -> Any:
         return sharding.make_grad_scaler(amp_dtype, "cpu" if self.context.on_cpu else "cuda")

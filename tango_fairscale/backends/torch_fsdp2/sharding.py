@@ -37,6 +37,7 @@ from ...compiling import compile_unit
 from ...devices import worker_computes_on_cpu
 from ...fsdp_options import FSDPOptions, parse_dtype
 from ...materialize import has_meta_parameters, materialize_module, real_parameters
+from ...precision import FLOAT32_MASTER, Precision
 from ...wrapping import WrapPlan, disable_hf_kv_cache, replace_submodule
 from .collectives import UnitBuffers, use_ring_collectives
 
@@ -375,7 +376,15 @@ def checkpointed(module: nn.Module, on_cpu: bool) -> nn.Module:
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPOptions, mesh: DeviceMesh) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    plan: WrapPlan,
+    root_config: FSDPOptions,
+    mesh: DeviceMesh,
+    *,
+    precision: Precision = FLOAT32_MASTER,
+    cast: Optional[Dict[str, int]] = None,
+) -> nn.Module:
     """
     Apply ``plan`` to ``model`` in place with FSDP2 and return it: each selected module, deepest
     first, is allocated if its parameters are on ``meta``, checkpointed (:func:`checkpointed`) if
@@ -397,6 +406,10 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPOptions, mesh
     checkpointed on GPUs; :func:`torch.distributed.checkpoint.state_dict.get_state_dict` and
     :func:`full_state_dict` drop that part. A plan without ``unit_config`` means FairScale's defaults
     (as ``fsdp_config: {}``). Needs an initialised process group and ``mesh`` (:func:`make_mesh`).
+
+    Right before each unit (and the root) is sharded, its parameters are cast to the dtype
+    ``precision`` holds them in (float32 master weights by default); ``cast`` gets the count of
+    parameters cast, by dtype.
     """
     unit_config = plan.unit_config if plan.unit_config is not None else FSDPOptions()
     if plan.fsdp_units:
@@ -424,11 +437,23 @@ def shard_model(model: nn.Module, plan: WrapPlan, root_config: FSDPOptions, mesh
             if plan.compile is not None and name in plan.compiled:
                 compile_unit(module, plan.compile, name)
             if name in units:
+                _count(cast, precision.cast_parameters(module, skip=_is_unit))
                 _shard(module, unit_config, mesh, root=False, name=name, unit_buffers=unit_buffers)
         if has_meta_parameters(model):
             materialize_module(model, _materialize_device(root_config, mesh), root=model, one_allocation=True)
+        _count(cast, precision.cast_parameters(model, skip=_is_unit))
         _shard(model, root_config, mesh, root=True, name="", unit_buffers=unit_buffers)
     return model
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def _count(total: Optional[Dict[str, int]], cast: Dict[str, int]) -> None:
+    if total is not None:
+        for dtype, count in cast.items():
+            total[dtype] = total.get(dtype, 0) + count
 
 
 _Parameters = Union[nn.Module, Iterable[torch.Tensor]]
