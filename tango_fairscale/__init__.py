@@ -32,6 +32,7 @@ from .finetune.pretrained import from_pretrained, load_on_meta
 from .finetune.text_data import TokenBlocks, TokenizeText
 from .finetune.validate_first import ValidateFirst
 from .materialize import building_on_meta
+from .results import TrainOutputs, read_checkpoint, read_weights, train_outputs
 from .step_config import step_config_error
 from .telemetry.callbacks import MemoryCallback, RestoreRandomState
 from .telemetry.loggers import ProfileCallback, TensorBoardLogger, WandbLogger
@@ -68,6 +69,7 @@ __all__ = [
     "TensorBoardLogger",
     "TokenBlocks",
     "TokenizeText",
+    "TrainOutputs",
     "ValidateFirst",
     "WandbLogger",
     "WrapConfigurationError",
@@ -76,6 +78,9 @@ __all__ = [
     "checkpointing",
     "from_pretrained",
     "plan_wrapping",
+    "read_checkpoint",
+    "read_weights",
+    "train_outputs",
     "with_lora",
     "with_wrapped_modules",
 ]

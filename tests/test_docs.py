@@ -171,3 +171,30 @@ def test_failure_modes_count_and_tests() -> None:
             assert path.is_file(), module
             if function:
                 assert re.search(rf"^def {function}\(", path.read_text(), flags=re.M), f"{module}::{function}"
+
+
+def test_the_python_api_page_is_what_the_code_says() -> None:
+    """
+    docs/python-api.md, which scripts/api_reference.py writes: every public name it lists, with each
+    parameter and the docstring's summary. Compared piece by piece, not as one text: Pythons print
+    some annotations differently (``Optional`` on 3.11, ``| None`` later).
+    """
+    import tango_fairscale
+    from scripts import api_reference
+
+    page = (REPO / "docs" / "python-api.md").read_text()
+    for _, names in api_reference.SECTIONS:
+        for name in names:
+            obj = getattr(tango_fairscale, name)
+            assert f"### `{name}`" in page, name
+            target = obj.__init__ if inspect.isclass(obj) and "__init__" in vars(obj) else obj
+            for parameter in inspect.signature(target).parameters:
+                if parameter != "self":
+                    assert f"{parameter}" in page.split(f"### `{name}`")[1].split("\n### ")[0], (
+                        name,
+                        parameter,
+                    )
+            assert api_reference._summary(obj) in page, name
+    assert [line for line in page.splitlines() if line.startswith("### ")] == [
+        line for line in api_reference.render().splitlines() if line.startswith("### ")
+    ]

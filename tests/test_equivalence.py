@@ -159,3 +159,30 @@ def test_torch_backend_workers_hold_disjoint_halves(trained: ToyTrain) -> None:
         ratio = fsdp[worker]["param_numel"] / ddp[worker]["param_numel"]
         print(f"worker {worker}: params {ratio:.4f} x DDP")
         assert abs(ratio - 0.5) <= 32 * tensors / full_params
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_python_api_finds_and_reads_a_tango_runs_outputs(backend: str, toy_run: ToyRun) -> None:
+    """``train_outputs`` by the step's name, ``read_weights`` and ``read_checkpoint`` of either backend."""
+    from tango_fairscale import read_checkpoint, read_weights, train_outputs
+    from tests.helpers import train_work_dir
+
+    run = toy_run("fairscale", CLI_WRAP, backend)
+    workspace = LocalWorkspace(run)
+    (run_name,) = workspace.registered_runs().keys()
+    outputs = train_outputs(workspace, "train")
+    assert outputs == train_outputs(workspace, "train", run=run_name)
+    assert outputs.work_dir == train_work_dir(run)
+    assert outputs.metrics == outputs.work_dir / "metrics.jsonl" and outputs.export_hf is None
+    assert (
+        outputs.latest_checkpoint is not None and outputs.latest_checkpoint.name == "checkpoint_state_step12"
+    )
+    weights = read_weights(outputs.weights)  # type: ignore[arg-type]
+    assert max_abs_difference(weights, load_weights(run)) == 0.0
+    # The last step was checkpointed: the checkpoint, consolidated, is weights.pt (and so by work dir).
+    assert max_abs_difference(read_checkpoint(outputs.latest_checkpoint), weights) == 0.0
+    assert max_abs_difference(read_checkpoint(outputs.work_dir), weights) == 0.0
+    with_optimizer = read_checkpoint(outputs.work_dir, with_optimizer=True)
+    assert set(with_optimizer) == {"model", "optimizer"}
+    with pytest.raises(KeyError, match="no step named 'nope'"):
+        train_outputs(workspace, "nope")

@@ -241,7 +241,6 @@ def test_python_api_excerpt_is_the_example() -> None:
         assert line == "..." or line in source, line
 
 
-@pytest.mark.extended
 def test_python_api_example_runs(tmp_path: Path) -> None:
     # As docs/configuration.md says: as a script, outside a git repository.
     example = EXAMPLE
@@ -250,3 +249,9 @@ def test_python_api_example_runs(tmp_path: Path) -> None:
         [sys.executable, "train.py", "--workspace", "workspace", "--steps", "6"], tmp_path, timeout=400
     )
     assert (tmp_path / "workspace").is_dir(), result.stdout
+    # The training step's outputs found and read with the public API (train_outputs, read_weights,
+    # read_checkpoint): the last step's checkpoint, consolidated, is weights.pt.
+    assert "weights.pt vs checkpoint_state_step6: 4 tensors, max difference 0.0" in result.stdout, (
+        result.stdout
+    )
+    assert "evaluate step, validation MSE of the trained model:" in result.stdout, result.stdout

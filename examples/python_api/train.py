@@ -27,8 +27,13 @@ from tango.integrations.torch import DataLoader, Model, TorchTrainStep
 from tango.workspaces import LocalWorkspace
 
 # Registers the "fairscale" engine and the callbacks; the workers import it too.
-from tango_fairscale import FairScaleTrainingEngine
-from tango_fairscale.telemetry.metrics import METRICS_FILE_NAME, MetricsLog
+from tango_fairscale import (
+    FairScaleTrainingEngine,
+    MetricsLog,
+    read_checkpoint,
+    read_weights,
+    train_outputs,
+)
 
 
 class TinyRegressor(Model):
@@ -139,7 +144,10 @@ def main() -> None:
     finally:
         teardown_logging()
 
-    metrics_file = workspace.work_dir(train) / METRICS_FILE_NAME
+    # What the training step left: its work directory, weights.pt, metrics log, latest checkpoint.
+    outputs = train_outputs(workspace, train)
+    assert outputs.metrics and outputs.weights and outputs.latest_checkpoint, outputs
+    metrics_file = outputs.metrics
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     # The first line of a run describes how its throughput figures are made ("kind": "run").
     training = [line for line in lines if line["kind"] == "train"]
@@ -151,6 +159,11 @@ def main() -> None:
     print(f"step {last['step']}: {last['samples_per_second']:.0f} samples/s, MFU {mfu}")
     print(f"evaluate step, validation MSE of the trained model: {mse:.4f}")
     print(f"metrics log: {metrics_file} ({len(lines)} lines)")
+    # The last step was checkpointed: its consolidated model is weights.pt, whichever backend wrote it.
+    weights, checkpointed = read_weights(outputs.weights), read_checkpoint(outputs.latest_checkpoint)
+    difference = max((weights[name] - checkpointed[name]).abs().max().item() for name in weights)
+    checkpoint = outputs.latest_checkpoint.name
+    print(f"weights.pt vs {checkpoint}: {len(weights)} tensors, max difference {difference}")
 
 
 if __name__ == "__main__":
