@@ -41,9 +41,7 @@ class TrainOutputs:
     """The engine's ``export_hf_merged`` directory, likewise."""
 
 
-def train_outputs(
-    workspace: Workspace, step: Union[Step, str], *, run: Optional[str] = None
-) -> TrainOutputs:
+def train_outputs(workspace: Workspace, step: Union[Step, str], *, run: Optional[str] = None) -> TrainOutputs:
     """
     The outputs of the ``torch::train`` step ``step`` in ``workspace``: a :class:`~tango.Step`
     object (as a pipeline built in Python holds it), or the step's name in the run named ``run``

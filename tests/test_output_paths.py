@@ -662,3 +662,74 @@ def test_no_output_goes_into_another_steps_work_directory(
     # The engine's own step still writes into its own work directory.
     export(first / "weights.pt", second / "hf", work_dir=second)
     assert (second / "hf" / EXPORT_MARKER).is_file()
+
+
+def _intruding_during_the_write(monkeypatch: pytest.MonkeyPatch, intrude: Any) -> None:
+    """Run ``intrude()`` while the export's weights are being written (after its target was checked)."""
+    from tango_fairscale.finetune import hf_export
+
+    write = hf_export._write_weights
+
+    def writing(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)
+        intrude()
+
+    monkeypatch.setattr(hf_export, "_write_weights", writing)
+
+
+@pytest.mark.parametrize("earlier_export", [False, True], ids=["new path", "over an earlier export"])
+def test_what_appears_at_the_target_during_an_export_is_never_replaced(
+    workspace: Tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, earlier_export: bool
+) -> None:
+    """
+    The race: the target is checked when the export starts (new, or an earlier export); a user's
+    directory made there during the write (in the earlier export's place, moved away) is left byte
+    for byte, the export stops in one line, and no temporary stays. The earlier export, moved by
+    the user, is untouched too.
+    """
+    _, work = workspace
+    target = work / "hf"
+    if earlier_export:
+        export(work / "weights.pt", target, work_dir=work)
+    moved = work / "earlier-export-moved-by-the-user"
+
+    def intrude() -> None:
+        if target.exists():
+            target.rename(moved)
+        target.mkdir()
+        (target / "thesis.txt").write_text("two years of work")
+
+    _intruding_during_the_write(monkeypatch, intrude)
+    moved_before = None
+    with pytest.raises(
+        CheckpointError, match=r"something else was put there while it was being written"
+    ) as error:
+        export(work / "weights.pt", target, work_dir=work)
+    assert "\n" not in str(error.value)
+    assert snapshot(target) == {"thesis.txt": b"two years of work"}
+    if earlier_export:
+        moved_before = snapshot(moved)
+        assert_same_weights(load_exported(moved), gpt2_weights(1))
+        assert snapshot(moved) == moved_before
+    assert [p.name for p in work.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_rename_noreplace_refuses_a_file_and_a_directory_that_exist(tmp_path: Path) -> None:
+    from tango_fairscale.checkpointing.placing import rename_noreplace
+
+    for kind in ("file", "directory"):
+        source, target = tmp_path / f"new-{kind}", tmp_path / f"target-{kind}"
+        if kind == "file":
+            source.write_text("new")
+            target.write_text("theirs")
+        else:
+            source.mkdir()
+            target.mkdir()  # empty: a plain rename would replace it
+        with pytest.raises(FileExistsError):
+            rename_noreplace(source, target)
+        assert source.exists() and (
+            target.read_text() == "theirs" if kind == "file" else not any(target.iterdir())
+        )
+        fresh = tmp_path / f"fresh-{kind}"
+        rename_noreplace(source, fresh)
+        assert fresh.exists() and not source.exists()

@@ -27,12 +27,14 @@ import torch.nn as nn
 
 from ..backends.base import ModelSource
 from ..checkpointing.files import fsync_directory, safe_load
+from ..checkpointing.placing import identity, place
 from ..errors import CheckpointError
 from ..output_paths import (
     EXPORT_MARKER,
     HF_EXPORT,
     TOKENIZER_FILES,
     check_output,
+    is_export_dir,
     marker,
     remove_stale_temporaries,
     temporary_sibling,
@@ -371,8 +373,12 @@ def _write_directory(directory: Path, fill: Callable[[Path], None]) -> Path:
     """
     ``fill`` a temporary sibling of ``directory``, then put it in ``directory``'s place with its
     marker (last: the files it lists are the ones a later export may replace), synced: a crash
-    leaves the previous directory or none, and the next export removes what it left.
+    leaves the previous directory or none, and the next export removes what it left. What the
+    caller's check found at ``directory`` (nothing, or an earlier export) is the only thing it
+    replaces: anything put there during the write is left as it is, and the export stops with
+    one line (:func:`~tango_fairscale.checkpointing.placing.place`).
     """
+    checked = identity(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
     tmp = temporary_sibling(directory, "tmp")
@@ -384,16 +390,21 @@ def _write_directory(directory: Path, fill: Callable[[Path], None]) -> Path:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         fsync_directory(tmp)
-        old = temporary_sibling(directory, "old")
-        if directory.exists():
-            os.replace(directory, old)
-        os.replace(tmp, directory)
+        old = place(tmp, directory, checked, still_replaceable=_earlier_export, what="the export")
         fsync_directory(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        # Ours whatever happened: the new export, or (swapped out) the earlier one it replaced.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _earlier_export(path: Path) -> bool:
+    """Whether ``path`` is still an export this package wrote, holding nothing else."""
+    ours, foreign = is_export_dir(path)
+    return ours and not foreign
 
 
 def _write_weights(
