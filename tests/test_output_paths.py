@@ -733,3 +733,45 @@ def test_rename_noreplace_refuses_a_file_and_a_directory_that_exist(tmp_path: Pa
         fresh = tmp_path / f"fresh-{kind}"
         rename_noreplace(source, fresh)
         assert fresh.exists() and not source.exists()
+
+
+class _IntrudingSource:
+    """A model source whose one tensor is produced while ``intrude()`` puts something at the target."""
+
+    def __init__(self, intrude: Any) -> None:
+        self.entries = [TensorEntry("w", (2,), torch.float32)]
+        self._intrude = intrude
+
+    def produce(self, entry: TensorEntry) -> torch.Tensor:
+        self._intrude()
+        return torch.ones(2)
+
+
+@pytest.mark.parametrize("earlier_output", [False, True], ids=["new path", "over an earlier output"])
+def test_what_appears_at_a_consolidated_file_during_its_write_is_never_replaced(
+    tmp_path: Path, earlier_output: bool
+) -> None:
+    from tango_fairscale.checkpointing.placing import identity
+
+    target, moved = tmp_path / "model.pt", tmp_path / "earlier-moved-by-the-user.pt"
+    if earlier_output:
+        consolidation.save_model(_IntrudingSource(lambda: None), target)
+        assert output_paths.is_consolidated_file(target)
+    checked = identity(target)
+
+    def intrude() -> None:
+        if target.exists():
+            target.rename(moved)
+        target.write_text("the user's own file")
+
+    with pytest.raises(CheckpointError, match=r"something else was put there while it was being written"):
+        consolidation.save_model(_IntrudingSource(intrude), target, checked=checked)
+    assert target.read_text() == "the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["model.pt"] + (["earlier-moved-by-the-user.pt"] if earlier_output else [])
+    )
+    if earlier_output:
+        assert output_paths.is_consolidated_file(moved)
+        # The earlier output itself, checked and still there, is replaced as before.
+        consolidation.save_model(_IntrudingSource(lambda: None), moved, checked=identity(moved))
+        assert torch.equal(torch.load(moved, weights_only=True)["w"], torch.ones(2))

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, Optional
 from .. import checkpointing
 from ..backends.base import ModelSource
 from ..backends.lookup import backend_of
-from ..output_paths import CONSOLIDATED, PT_MARKER_RECORD, marker
+from ..output_paths import CONSOLIDATED, PT_MARKER_RECORD, is_consolidated_file, marker
+from .placing import Identity
 from .streaming import save_with_records, stream_save
 
 
@@ -29,20 +30,38 @@ def model_source(checkpoint_dir: Path, *, hashes: bool = True) -> ModelSource:
     return backend_of(marker).model_source(checkpoint_dir, hashes=hashes)
 
 
-def save_model(source: ModelSource, path: Path, *, progress: Optional[Callable[[], None]] = None) -> None:
-    """Write ``source`` to ``path`` (atomically) as ``torch.save`` would, one tensor at a time."""
+def save_model(
+    source: ModelSource,
+    path: Path,
+    *,
+    progress: Optional[Callable[[], None]] = None,
+    checked: Optional[Identity] = None,
+) -> None:
+    """
+    Write ``source`` to ``path`` (atomically) as ``torch.save`` would, one tensor at a time,
+    replacing only ``checked``: what the output's check found there (``None``: nothing; else an
+    earlier ``consolidate`` output, still one when it is replaced).
+    """
     stream_save(
         source.entries,
         source.produce,
         Path(path),
         progress=None if progress is None else lambda _: progress(),
         records={PT_MARKER_RECORD: marker(CONSOLIDATED)},
+        checked=checked,
+        still_replaceable=is_consolidated_file,
     )
 
 
-def save_consolidated(state: Dict[str, Any], path: Path) -> None:
-    """Write :func:`consolidate`'s result to ``path`` (atomically) with ``torch.save``'s serializer."""
-    save_with_records(state, Path(path), {PT_MARKER_RECORD: marker(CONSOLIDATED)})
+def save_consolidated(state: Dict[str, Any], path: Path, *, checked: Optional[Identity] = None) -> None:
+    """Write :func:`consolidate`'s result to ``path`` with torch.save's serializer, as :func:`save_model`."""
+    save_with_records(
+        state,
+        Path(path),
+        {PT_MARKER_RECORD: marker(CONSOLIDATED)},
+        checked=checked,
+        still_replaceable=is_consolidated_file,
+    )
 
 
 def consolidate(

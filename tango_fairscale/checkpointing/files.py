@@ -16,12 +16,13 @@ import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
 from ..errors import CheckpointError
 from . import model_records
+from .placing import place
 
 MARKER = "COMPLETE.json"
 #: 2: worker files carry a header (kind, rank, world size, step), the marker every file's size
@@ -98,12 +99,22 @@ def io_failure(operation: str, path: Path, error: OSError) -> CheckpointError:
     return CheckpointError(f"Cannot {operation} {path}: {error.strerror or error} ({code}).")
 
 
+#: ``atomic_file``'s ``checked`` for a file of the run's own (a checkpoint's): replaced whatever is there.
+ANYTHING = object()
+
+
 @contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
+def atomic_file(
+    path: Path, *, checked: Any = ANYTHING, still_replaceable: Optional[Callable[[Path], bool]] = None
+) -> Iterator[BinaryIO]:
     """
     A new file to write ``path`` through: a temporary sibling, flushed to disk and renamed over
     ``path`` when the block ends, removed if it raises. A reader sees the old file or the whole
-    new one, never a partial write.
+    new one, never a partial write. For an output put where a user's files may be, ``checked`` is
+    what its check found at ``path`` when the write started (``None``: nothing; else an earlier
+    output's :func:`~tango_fairscale.checkpointing.placing.identity`, which
+    ``still_replaceable`` confirms): only that is replaced, anything else stops the write in one
+    line (:func:`~tango_fairscale.checkpointing.placing.place`).
     """
     path = Path(path)
     # A unique sibling name (not tempfile's 0600 files), so the result gets the usual permissions.
@@ -113,18 +124,27 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if checked is ANYTHING:
+            os.replace(tmp, path)
+        else:
+            old = place(tmp, path, checked, still_replaceable=still_replaceable or _never, what=path.name)
+            if old is not None:
+                old.unlink()
         fsync_directory(path.parent)
     except Exception as error:
         # A full disk, a read-only or vanished directory: one line naming the file and the OS
         # error, not the serializer's internal message with the cause buried in its context.
         failure = os_error_in(error)
-        if failure is None:
+        if failure is None or isinstance(error, CheckpointError):  # already one line (place's refusal)
             raise
         raise io_failure("write", path, failure) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _never(path: Path) -> bool:
+    return False
 
 
 def atomic_save(obj: Any, path: Path) -> Dict[str, Any]:

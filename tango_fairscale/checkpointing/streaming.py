@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..output_paths import remove_stale_temporaries
-from .files import atomic_file
+from .files import ANYTHING, atomic_file
 
 
 @dataclass(frozen=True)
@@ -129,17 +129,20 @@ def stream_save(
     *,
     progress: Optional[Callable[[TensorEntry], None]] = None,
     records: Optional[Mapping[str, bytes]] = None,
+    checked: Any = ANYTHING,
+    still_replaceable: Optional[Callable[[Path], bool]] = None,
 ) -> None:
     """
     Write ``{entry.name: tensor}`` to ``path`` as ``torch.save`` would, calling ``produce(entry)``
     for one tensor at a time (aliases are not produced) and writing it before the next. Atomic: the
     file is written beside ``path`` under a temporary name, flushed to disk and renamed over it, so a
     crash leaves the old file or none, never a partial one. ``progress`` is called after each tensor.
-    ``records`` (name: bytes) are written into the archive too.
+    ``records`` (name: bytes) are written into the archive too. ``checked`` and ``still_replaceable``:
+    what an output may replace (:func:`~tango_fairscale.checkpointing.files.atomic_file`).
     """
     data, storages = _pickled(entries)
     remove_stale_temporaries(Path(path))
-    with atomic_file(Path(path)) as handle:
+    with atomic_file(Path(path), checked=checked, still_replaceable=still_replaceable) as handle:
         with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
             archive.write_record("data.pkl", data, len(data))
             archive.write_record(".format_version", "1", len("1"))
@@ -165,13 +168,20 @@ def stream_save(
             _write_records(archive, records)
 
 
-def save_with_records(obj: Any, path: Path, records: Mapping[str, bytes]) -> None:
+def save_with_records(
+    obj: Any,
+    path: Path,
+    records: Mapping[str, bytes],
+    *,
+    checked: Any = ANYTHING,
+    still_replaceable: Optional[Callable[[Path], bool]] = None,
+) -> None:
     """
     ``torch.save(obj)`` to ``path``, atomically as :func:`stream_save`, with ``records`` (name:
     bytes) in its archive: ``torch.save``'s own writer and serializer, then the records.
     """
     remove_stale_temporaries(Path(path))
-    with atomic_file(Path(path)) as handle:
+    with atomic_file(Path(path), checked=checked, still_replaceable=still_replaceable) as handle:
         with torch.serialization._open_zipfile_writer(handle) as archive:  # type: ignore[arg-type]
             torch.serialization._save(obj, archive, pickle, 2, False)  # type: ignore[attr-defined]
             _write_records(archive, records)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from .. import checkpointing, output_paths
 from ..backends.base import ADAPTER_FIELD
 from ..checkpointing import consolidation
+from ..checkpointing.placing import identity
 from ..finetune.hf_export import (
     export_hf,
     export_merged_adapter,
@@ -168,6 +169,7 @@ def consolidate(
         raise UsageError(f"checkpoint directory {checkpoint_dir} does not exist")
     given, checkpoint_dir = checkpoint_dir, checkpointing.resolve_checkpoint(checkpoint_dir)
     check_output(output, output_paths.CONSOLIDATED, checkpoint_dir, given, force=force)
+    checked = identity(output)  # what the check found: the only thing the write may replace
     marker = checkpointing.read_marker(checkpoint_dir)
     assert marker is not None  # resolve_checkpoint checked that the checkpoint is complete
     world_size = marker["world_size"]
@@ -180,7 +182,7 @@ def consolidate(
             )
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
-            consolidation.save_consolidated(result, output)
+            consolidation.save_consolidated(result, output, checked=checked)
         except OSError as error:
             raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
         shapes = [tuple(t.shape) for t in result["model"].values()]
@@ -191,7 +193,7 @@ def consolidate(
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
             with tqdm(total=len(tensors), desc="Writing tensors", unit="tensor") as progress:
-                consolidation.save_model(source, output, progress=lambda: progress.update())
+                consolidation.save_model(source, output, progress=lambda: progress.update(), checked=checked)
         except OSError as error:
             raise UsageError(f"cannot write {output}: {error.strerror or error}") from None
         shapes = [entry.shape for entry in source.entries]

@@ -2,11 +2,11 @@
 
 import argparse
 import math
-import os
 from pathlib import Path
 from typing import Any, List, Optional
 
 from .. import output_paths
+from ..checkpointing.placing import identity, place
 from ..errors import CheckpointError
 from ..finetune.pretrained import shapes_only
 from ..plan import make_plan, parse_memory, render
@@ -118,6 +118,8 @@ def plan_command(
             output_paths.check_output(json_path, output_paths.PLAN_JSON, label="--json")
         except CheckpointError as error:
             raise UsageError(str(error)) from None
+    # What the check found there (nothing, or an earlier plan JSON): all the write may replace.
+    checked = identity(json_path) if json_path is not None else None
     variables = parse_ext_vars(ext_vars)
     found = settings_path(settings)
     tango_settings = load_settings(found)
@@ -156,7 +158,15 @@ def plan_command(
             temporary = output_paths.temporary_sibling(json_path)
             try:
                 temporary.write_text(output_paths.plan_json(plan.as_dict()))
-                os.replace(temporary, json_path)
+                old = place(
+                    temporary,
+                    json_path,
+                    checked,
+                    still_replaceable=output_paths.is_plan_json,
+                    what="the plan's JSON",
+                )
+                if old is not None:
+                    old.unlink()
             finally:
                 temporary.unlink(missing_ok=True)
         except CheckpointError as error:
