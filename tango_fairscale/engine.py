@@ -28,7 +28,7 @@ from tango.integrations.torch import (
 )
 from tango.integrations.torch.util import move_to_device
 
-from . import compat
+from . import checkpointing, compat
 from .backends.base import BackendContext, LoadedCheckpoint
 from .backends.lookup import backend_class
 from .checkpointing import random_state, resume
@@ -374,6 +374,7 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
 
     def load_checkpoint(self, checkpoint_dir: Path) -> Dict[str, Any]:
         checkpoint_dir = Path(checkpoint_dir).resolve()
+        resume.check_own(checkpoint_dir, checkpointing.read_marker(checkpoint_dir) or {}, self.train_config)
         with long_lived_allocations():  # what it allocates (the optimizer state) lives for the run
             loaded = self.sharding.load(checkpoint_dir, self.model, self.optimizer)
         return self._restore_the_rest(checkpoint_dir, loaded)

@@ -533,3 +533,29 @@ def test_batchnorm_killed_after_a_checkpoint_and_rerun_keeps_every_workers_runni
         assert sorted(losses["resumed"]) == [2, 4]
         weights = (torch.load(d / "weights.pt", weights_only=True) for d in (uninterrupted, resumed))
         assert max_abs_difference(*weights) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "torch"])
+def test_a_rerun_resumes_only_its_own_steps_checkpoint(backend: str, tmp_path: Path) -> None:
+    """
+    Each checkpoint's marker names the step that wrote it: another run's complete checkpoint in
+    the work directory (all else matching) is refused in one line on every worker, not resumed.
+    """
+    work = tmp_path / "work"
+    config = train_config(wrap="nested", train_steps=4, checkpoint_every=2, engine_extra={"backend": backend})
+    (first,) = harness.run([harness.Train(config, work)], out=tmp_path / "first")
+    first.check()
+    marker_path = work / "checkpoint_state_step4" / checkpointing.MARKER
+    marker = json.loads(marker_path.read_text())
+    assert marker["step_id"] == "harness"  # the harness's step id, as TrainConfig gives it
+    marker["step_id"] = "TorchTrainStep-of-another-run"
+    marker_path.write_text(json.dumps(marker))
+    longer = train_config(wrap="nested", train_steps=6, checkpoint_every=2, engine_extra={"backend": backend})
+    (rerun,) = harness.run([harness.Train(longer, work)], out=tmp_path / "rerun")
+    for error in rerun.errors:
+        assert (
+            error is not None
+            and "was written by step TorchTrainStep-of-another-run, not by this one" in error
+        )
+        assert "\n" not in error and "resume_from_checkpoint" in error
+    assert not (work / "checkpoint_state_step6").exists()

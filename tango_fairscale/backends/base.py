@@ -275,6 +275,14 @@ class Backend(ABC):
         if self.base is not None:
             self.base = self.base.after_resuming(marker)
 
+    def marker_fields(self) -> Dict[str, Any]:
+        """
+        What a host's leader writes into each checkpoint's marker besides the files: the unique id
+        of the step that wrote it (a rerun resumes only its own: ``resume.check_own``) and the
+        model's fields.
+        """
+        return {checkpointing.STEP_ID_FIELD: self.context.train_config.step_id, **self.model_fields()}
+
     def model_fields(self) -> Dict[str, Any]:
         """The marker's fields about the model (its pretrained base, its adapter); for a host's leader."""
         fields: Dict[str, Any] = {}

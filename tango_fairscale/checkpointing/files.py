@@ -25,6 +25,8 @@ from . import model_records
 from .placing import place
 
 MARKER = "COMPLETE.json"
+#: The marker's field naming the unique id of the step whose run wrote the checkpoint.
+STEP_ID_FIELD = "step_id"
 #: 2: worker files carry a header (kind, rank, world size, step), the marker every file's size
 #: and SHA-256. Format 1 checkpoints (neither) are still read.
 FORMAT_VERSION = 2

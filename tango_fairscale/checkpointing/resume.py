@@ -22,6 +22,27 @@ from ..launch import HostWorld, multihost
 logger = logging.getLogger(__name__)
 
 
+def check_own(checkpoint_dir: Path, marker: Mapping[str, Any], config: TrainConfig) -> None:
+    """
+    A checkpoint in the step's own work directory was written by this step (its unique id, which
+    covers the config, in the marker): one of another run (another learning rate, another model)
+    copied or left there would be resumed without a word. One named by ``resume_from_checkpoint``
+    lies elsewhere and is the user's choice. Markers written before the id was recorded pass.
+    """
+    work_dir = Path(config.work_dir).resolve()
+    if work_dir not in Path(checkpoint_dir).resolve().parents:
+        return
+    written_by = marker.get(checkpointing.STEP_ID_FIELD)
+    if written_by is None or written_by == config.step_id:
+        return
+    raise ConfigurationError(
+        f"{checkpoint_dir.name} in this step's work directory was written by step {written_by}, not by "
+        f"this one ({config.step_id}): it is another run's checkpoint, and resuming from it would "
+        "continue that run. Move it out of the work directory, or name it with "
+        "training_engine.resume_from_checkpoint to start from it on purpose."
+    )
+
+
 def find_own_checkpoint(config: TrainConfig, hosts: Optional[HostWorld]) -> bool:
     """Point ``checkpoint_state_latest`` at the checkpoint to resume from; return whether there is one."""
     if config.is_local_main_process:

@@ -207,7 +207,7 @@ class FairScaleBackend(Backend):
         left_out = self._base_keys(weights, metadata)
         fields: Dict[str, Any] = {"training_steps": step, "files": sorted([*SHARDED_STATES, *states])}
         if self.context.topology.is_leader(rank):  # the processes that write markers
-            fields.update(self.model_fields())
+            fields.update(self.marker_fields())
 
         def write() -> Digests:
             files: Dict[str, Any] = {

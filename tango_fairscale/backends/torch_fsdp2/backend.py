@@ -133,7 +133,7 @@ class TorchBackend(Backend):
             topology=self.context.topology,
             complete_part=self.context.complete_part(self.files_of_worker),
             base=self.base,
-            fields=self.model_fields() if self.context.topology.is_leader(self.context.rank) else {},
+            fields=self.marker_fields() if self.context.topology.is_leader(self.context.rank) else {},
         )
 
     def load(
