@@ -19,6 +19,7 @@ shared with the engine.
 import inspect
 import logging
 import math
+import os
 import typing
 import warnings
 from contextlib import nullcontext
@@ -44,6 +45,7 @@ from .finetune.data_fit import check_data_fits_model
 from .finetune.hf_export import hf_model_in
 from .finetune.lora import check_peft_method
 from .finetune.pretrained import PRETRAINED_TYPE, check_pretrained
+from .finetune.safetensors_files import fingerprint
 from .materialize import check_initialisable, parameters_on_meta
 from .options import EngineOptions, check_backend
 from .output_paths import HF_EXPORT, check_output, check_writable, export_hf_path
@@ -618,6 +620,21 @@ def check_pretrained_models(model: Any, init_on_meta: bool) -> None:
             raise ConfigurationError(
                 message if message.startswith(PRETRAINED_TYPE) else f"{PRETRAINED_TYPE}: {message}"
             ) from None
+
+
+def pretrained_fingerprint(model: Any) -> str:
+    """
+    The fingerprint of every local directory a ``fairscale::from_pretrained`` of the model reads
+    (:func:`~tango_fairscale.finetune.safetensors_files.fingerprint`), "" when it reads none: what
+    the hosts of a launch compare before training.
+    """
+    parts = []
+    for config in _configs_of_type(params_of(model), PRETRAINED_TYPE):
+        name = config.get("pretrained_model_name_or_path")
+        directory = Path(os.path.expanduser(str(name))) if isinstance(name, str) else None
+        if directory is not None and directory.is_dir():
+            parts.append(f"{directory.resolve()}={fingerprint(directory)}")
+    return ";".join(sorted(parts))
 
 
 def check_export_hf_model(built: Any) -> None:

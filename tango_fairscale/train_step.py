@@ -40,7 +40,7 @@ from .errors import CheckpointError, refused, worker_checkpoint_error
 from .launch import teardown
 from .launch.failures import worker_died
 from .launch.signals import end_quietly_on_signals
-from .preflight import preflight, uses_fairscale_engine
+from .preflight import preflight, pretrained_fingerprint, uses_fairscale_engine
 from .step_result import FinalModelOnMeta, finish_result, load_final_weights, spawned_workers_result
 from .telemetry.callbacks import RestoreRandomState
 from .telemetry.metrics import MetricsLog
@@ -256,6 +256,7 @@ def _train_across_hosts(
         device_count=len(devices),
         timeout=timeout,
         step_name=step.name,
+        base_files=pretrained_fingerprint(kwargs["model"]),
     ) as session:
         world = session.world
         interface = launching.socket_interface_environment(

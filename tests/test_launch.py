@@ -302,6 +302,44 @@ def test_hosts_must_agree_on_step_and_device_count() -> None:
         ConfigurationError, match="Host 1 \\(h1\\) runs tango-fairscale 0.0.1 where host 0 runs"
     ):
         check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "other", "t1", version="0.0.1")], 0)
+    # Another torch or Python: checkpoints and collectives differ between releases.
+    with pytest.raises(ConfigurationError, match=r"Host 1 \(h1\) runs torch 2\.99\.0 where host 0 runs 2\."):
+        check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "s", "t1", torch="2.99.0")], 0)
+    with pytest.raises(ConfigurationError, match=r"Host 1 \(h1\) runs Python 3\.99\.1 where host 0 runs 3\."):
+        check_hosts([same[0], HostInfo("h1", "a", "/w1", 2, "s", "t1", python="3.99.1")], 0)
+    # Other pretrained files at the same path (another seed, a stale copy): both fingerprints named.
+    with pytest.raises(
+        ConfigurationError, match=r"reads other pretrained files than host 0 .*fingerprints b and a"
+    ):
+        check_hosts(
+            [
+                HostInfo("h0", "a", "/w0", 2, "s", "t0", base_files="a"),
+                HostInfo("h1", "a", "/w1", 2, "s", "t1", base_files="b"),
+            ],
+            0,
+        )
+
+
+def test_the_fingerprint_of_pretrained_files_tells_another_seed_and_not_a_copy(
+    tiny_pretrained: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    from tango_fairscale.finetune.safetensors_files import fingerprint
+    from tango_fairscale.preflight import pretrained_fingerprint
+
+    one, other = tiny_pretrained(seed=3), tiny_pretrained(seed=4)
+    copy = tmp_path / "copy"
+    shutil.copytree(one, copy)
+    assert fingerprint(one) == fingerprint(copy) != fingerprint(other)
+    model = {"type": "fairscale::from_pretrained", "pretrained_model_name_or_path": str(copy)}
+    wrapped = {"type": "fairscale::with_wrapped_modules", "model": model, "modules_to_wrap": ["x"]}
+    from tango.common import Lazy, Params
+    from tango.integrations.torch import Model
+
+    # The step's model as the training step gets it: a Lazy of the config.
+    assert pretrained_fingerprint(Lazy(Model, Params(wrapped))) == f"{copy.resolve()}={fingerprint(one)}"
+    assert pretrained_fingerprint(Lazy(Model, Params({"type": "toy::regressor"}))) == ""
 
 
 def _wait_until(condition: Callable[[], bool], timeout: float) -> bool:

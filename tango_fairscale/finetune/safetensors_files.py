@@ -195,3 +195,37 @@ class SafetensorsFiles:
 
     def reader(self, name: str) -> Callable[[], torch.Tensor]:
         return lambda: self.read(name)
+
+
+#: What :func:`fingerprint` reads of each file: its first bytes (a safetensors header, a JSON
+#: file whole) and this many chunks spread over the rest.
+_FINGERPRINT_HEAD = 1 << 20
+_FINGERPRINT_CHUNKS = 64
+_FINGERPRINT_CHUNK = 4096
+
+
+def fingerprint(directory: Path) -> str:
+    """
+    A short digest of a pretrained directory's files (their names, sizes, first MiB and 64
+    chunks spread over each), read in milliseconds whatever their size: what hosts compare at
+    their rendezvous, so that two hosts reading different files at one path (another seed, a
+    stale copy) are told apart. Weights trained or initialised differently differ almost
+    everywhere, so sampled chunks tell them apart; a change of a few bytes may not be seen (the
+    checkpoints' full SHA-256 of the base, under ``init_on_meta``, is what catches that).
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(_FINGERPRINT_HEAD))
+            if size > _FINGERPRINT_HEAD:
+                step = (size - _FINGERPRINT_HEAD) // _FINGERPRINT_CHUNKS
+                for index in range(_FINGERPRINT_CHUNKS):
+                    handle.seek(_FINGERPRINT_HEAD + index * step)
+                    digest.update(handle.read(_FINGERPRINT_CHUNK))
+    return digest.hexdigest()[:16]

@@ -56,11 +56,13 @@ def check_hosts(hosts: Sequence[HostInfo], node_rank: int) -> None:
     mine = hosts[node_rank]
     # The most specific difference first: device_count and the version change the step id too.
     for other, info in enumerate(hosts):
-        if info.version != mine.version:
-            raise ConfigurationError(
-                f"Host {other} ({info.hostname}) runs tango-fairscale {info.version} where host {node_rank} "
-                f"runs {mine.version}: install the same version on every host."
-            )
+        for field, what in (("version", "tango-fairscale"), ("torch", "torch"), ("python", "Python")):
+            theirs, ours = getattr(info, field), getattr(mine, field)
+            if theirs != ours:
+                raise ConfigurationError(
+                    f"Host {other} ({info.hostname}) runs {what} {theirs} where host {node_rank} runs "
+                    f"{ours}: install the same {what} on every host."
+                )
         if info.device_count != mine.device_count:
             raise ConfigurationError(
                 f"device_count: host {other} ({info.hostname}) has {info.device_count} workers, host "
@@ -72,6 +74,12 @@ def check_hosts(hosts: Sequence[HostInfo], node_rank: int) -> None:
                 f"Host {other} ({info.hostname}) runs step {info.step_id} where host {node_rank} runs "
                 f"{mine.step_id}: the step's config differs between the hosts (the id is a hash of every "
                 "value in it). Every host must run the same config."
+            )
+        if info.base_files != mine.base_files:
+            raise ConfigurationError(
+                f"Host {other} ({info.hostname}) reads other pretrained files than host {node_rank} at the "
+                f"same path (fingerprints {info.base_files or 'none'} and {mine.base_files or 'none'}): "
+                "each host would train the shards of another model. Copy the same files to every host."
             )
         if other != node_rank and _sees(mine.work_dir, other, info.token):
             raise ConfigurationError(
@@ -212,10 +220,14 @@ def host_rendezvous(
     device_count: int,
     timeout: float,
     step_name: Optional[str] = None,
+    base_files: str = "",
 ) -> Iterator[HostSession]:
     """
     Meet the other hosts' ``tango`` processes for this step (see the module docstring), and yield
     this host's :class:`HostSession`. Host 0 serves the step's store until every host is done.
+    The hosts compare what changes the result (:func:`check_hosts`): the versions of the package,
+    torch and Python, the step (its id covers the config, the backend and the data step's
+    result), ``device_count``, and ``base_files``, the fingerprint of the pretrained files read.
 
     The hosts find the step's store through the launch store (:mod:`.presence`), under the
     number of the training step in this process; while they wait for each other, a host whose
@@ -248,7 +260,13 @@ def host_rendezvous(
     token = uuid.uuid4().hex
     _write_token(work_dir, launch.node_rank, token)
     mine = HostInfo(
-        socket.gethostname(), address, str(Path(work_dir).resolve()), device_count, step_id, token
+        socket.gethostname(),
+        address,
+        str(Path(work_dir).resolve()),
+        device_count,
+        step_id,
+        token,
+        base_files=base_files,
     )
     store.set(f"info/{launch.node_rank}", json.dumps(dataclasses.asdict(mine)))
 

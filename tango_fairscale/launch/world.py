@@ -2,8 +2,10 @@
 
 import dataclasses
 import json
+import platform
 from typing import Dict, Mapping, Optional, Tuple
 
+import torch
 from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import TrainConfig
 
@@ -25,6 +27,13 @@ class HostInfo:
     token: str
     #: The tango-fairscale version the host runs (hosts must agree).
     version: str = VERSION
+    #: The torch release and the Python version the host runs (hosts must agree: checkpoints and
+    #: collectives differ between releases).
+    torch: str = dataclasses.field(default_factory=lambda: str(torch.__version__))
+    python: str = dataclasses.field(default_factory=lambda: platform.python_version())
+    #: A fingerprint of the pretrained files the step's model reads on this host ("" for none):
+    #: hosts reading different files at the same path would train a model cut along the shards.
+    base_files: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
