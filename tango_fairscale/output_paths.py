@@ -437,11 +437,23 @@ def temporary_sibling(path: Path, suffix: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.{suffix}")
 
 
+#: The file an export's temporary directory holds while it is written: the random part of its
+#: name. The sweep removes a directory of that name only when it holds this file with that token
+#: (a user's directory that merely matches the name pattern is never removed).
+TEMPORARY_TOKEN = ".tango_fairscale_temporary"
+
+
+def mark_temporary(directory: Path) -> None:
+    """Write :data:`TEMPORARY_TOKEN` into a new :func:`temporary_sibling` directory."""
+    (Path(directory) / TEMPORARY_TOKEN).write_text(Path(directory).name.rsplit(".", 2)[-2])
+
+
 def _temporary_pattern(name: str) -> "re.Pattern[str]":
     # Files of checkpointing.files.atomic_file (.NAME.PID.HEX.tmp, in a directory of one host),
     # and directories of temporary_sibling (.NAME.HOST.PID.HEX.tmp|old).
     return re.compile(
-        rf"\.{re.escape(name)}\.(?:(?P<host>[A-Za-z0-9.-]+)\.)?(?P<pid>\d+)\.[0-9a-f]{{8}}\.(?P<suffix>tmp|old)"
+        rf"\.{re.escape(name)}\.(?:(?P<host>[A-Za-z0-9.-]+)\.)?(?P<pid>\d+)\.(?P<token>[0-9a-f]{{8}})"
+        r"\.(?P<suffix>tmp|old)"
     )
 
 
@@ -484,7 +496,7 @@ def writer_gone(pid: int, modified: float) -> bool:
     return started is not None and started > modified + 2.0
 
 
-def _stale(entry: Path, host: Optional[str]) -> bool:
+def _stale(entry: Path, host: Optional[str], token: str) -> bool:
     """Whether ``entry`` (its name matched) is a temporary of this user that no live writer holds."""
     try:
         info = entry.lstat()
@@ -500,19 +512,28 @@ def _stale(entry: Path, host: Optional[str]) -> bool:
             start = handle.read(2)
         return start in (b"", b"P", b"PK")
     if stat.S_ISDIR(info.st_mode):
-        # An export's: nothing in it but export files (a directory of an earlier release, without
-        # the host in its name, is recognised by its files alone).
-        if host != _host() and (host is not None or not entry.name.endswith(".tmp")):
+        # An export's: this host's, holding the token its name carries (mark_temporary), and
+        # nothing but export files beside it.
+        if host != _host():
             return False
-        return all(_EXPORT_FILE.fullmatch(child.name) and child.is_file() for child in entry.iterdir())
+        try:
+            if (entry / TEMPORARY_TOKEN).read_text() != token:
+                return False
+        except OSError:
+            return False
+        return all(
+            child.name == TEMPORARY_TOKEN or (_EXPORT_FILE.fullmatch(child.name) and child.is_file())
+            for child in entry.iterdir()
+        )
     return False
 
 
 def remove_stale_temporaries(path: Path) -> List[Path]:
     """
     Remove what interrupted writes of ``path`` left beside it (``.NAME.PID.HEX.tmp`` files,
-    ``.NAME.HOST.PID.HEX.tmp|old`` export directories): entries of this user whose writing
-    process is gone, of the expected shape. Returns what was removed; anything else is kept.
+    ``.NAME.HOST.PID.HEX.tmp`` export directories holding :data:`TEMPORARY_TOKEN` with their
+    ``HEX``): entries of this user whose writing process is gone, of the expected shape. Returns
+    what was removed; anything else is kept.
     """
     path = Path(path)
     pattern = _temporary_pattern(path.name)
@@ -529,7 +550,7 @@ def remove_stale_temporaries(path: Path) -> List[Path]:
             modified = entry.lstat().st_mtime
         except OSError:
             continue
-        if not writer_gone(int(match["pid"]), modified) or not _stale(entry, match["host"]):
+        if not writer_gone(int(match["pid"]), modified) or not _stale(entry, match["host"], match["token"]):
             continue
         try:
             if entry.is_dir():

@@ -323,34 +323,58 @@ def hide(path: Path, pid: int, suffix: str = "tmp", host: bool = True) -> Path:
 def stale_export_temporaries(target: Path) -> Tuple[List[Path], List[Path]]:
     """Beside an export ``target``: what interrupted exports left, and entries that look alike but are not."""
     dead = dead_pid()
-    stale_tmp = hide(target, dead)  # killed while writing
+    stale_tmp = hide(target, dead)  # killed while writing: the token its name carries, inside
     stale_tmp.mkdir()
+    (stale_tmp / output_paths.TEMPORARY_TOKEN).write_text("0123abcd")
     (stale_tmp / "config.json").write_text("{}")
     (stale_tmp / "model.safetensors").write_bytes(b"\0" * 4096)
-    stale_old = hide(target, dead, "old")  # killed between the renames
-    stale_old.mkdir()
-    (stale_old / "config.json").write_text("{}")
     # Same host, this process's id reused by a writer that died before this process started.
     reused = hide(target, os.getpid())
     reused.mkdir()
+    (reused / output_paths.TEMPORARY_TOKEN).write_text("0123abcd")
     (reused / "model.safetensors").write_bytes(b"\0" * 16)
     long_ago = time.time() - 10 * 24 * 3600
     os.utime(reused, (long_ago, long_ago))
-    stale = [stale_tmp, stale_old, reused]
+    stale = [stale_tmp, reused]
 
     alive = hide(target, os.getpid(), "tmp")  # a writer that is still running (this process)
     alive = alive.with_name(alive.name.replace("0123abcd", "4567cdef"))
     alive.mkdir()
+    (alive / output_paths.TEMPORARY_TOKEN).write_text("4567cdef")
     other_host = target.with_name(f".{target.name}.another-host.{dead}.89abcdef.tmp")
     other_host.mkdir()
     foreign_contents = target.with_name(f".{target.name}.{output_paths._host()}.{dead}.fedcba98.tmp")
     foreign_contents.mkdir()
+    (foreign_contents / output_paths.TEMPORARY_TOKEN).write_text("fedcba98")
     (foreign_contents / "notes.txt").write_text("keep me")
+    # A user's directory whose name matches, holding export-like files but no token (the sweep
+    # decided by name and contents alone, and deleted it).
+    users = target.with_name(f".{target.name}.{output_paths._host()}.{dead}.76543210.tmp")
+    users.mkdir()
+    (users / "config.json").write_text('{"mine": true}')
+    (users / "model.safetensors").write_bytes(b"\1" * 64)
+    # A token that is not the name's (copied from another temporary).
+    wrong_token = target.with_name(f".{target.name}.{output_paths._host()}.{dead}.aaaabbbb.tmp")
+    wrong_token.mkdir()
+    (wrong_token / output_paths.TEMPORARY_TOKEN).write_text("0123abcd")
+    (wrong_token / "config.json").write_text("{}")
     unrecognised = target.with_name(f".{target.name}.notes.tmp")
     unrecognised.write_text("keep me")
     legacy_old = target.with_name(f".{target.name}.0a1b2c3d.old")  # an earlier release's: whose?
     legacy_old.mkdir()
-    kept = [alive, other_host, foreign_contents, unrecognised, legacy_old]
+    old_without_token = hide(target, dead, "old")  # an earlier release's, no token: not known to be ours
+    old_without_token.mkdir()
+    (old_without_token / "config.json").write_text("{}")
+    kept = [
+        alive,
+        other_host,
+        foreign_contents,
+        users,
+        wrong_token,
+        unrecognised,
+        legacy_old,
+        old_without_token,
+    ]
     return stale, kept
 
 

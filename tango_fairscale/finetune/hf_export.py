@@ -32,9 +32,11 @@ from ..errors import CheckpointError
 from ..output_paths import (
     EXPORT_MARKER,
     HF_EXPORT,
+    TEMPORARY_TOKEN,
     TOKENIZER_FILES,
     check_output,
     is_export_dir,
+    mark_temporary,
     marker,
     remove_stale_temporaries,
     temporary_sibling,
@@ -384,7 +386,9 @@ def _write_directory(directory: Path, fill: Callable[[Path], None]) -> Path:
     tmp = temporary_sibling(directory, "tmp")
     tmp.mkdir()
     try:
+        mark_temporary(tmp)
         fill(tmp)
+        (tmp / TEMPORARY_TOKEN).unlink()  # the export's files only, from here on
         (tmp / EXPORT_MARKER).write_bytes(marker(HF_EXPORT, [path.name for path in tmp.iterdir()]))
         for path in tmp.iterdir():
             with open(path, "rb") as handle:
