@@ -289,6 +289,9 @@ class FairScaleTrainingEngine(TorchTrainingEngine):
         if export_hf is not None and hf_model_in(self.model) is None:
             # Said before training, not after it.
             raise _no_hf_model_error()
+        if export_hf_merged is not None and peft_model_in(self.model) is None:
+            # Pre-flight says it for a model it can build on meta; this, for any other.
+            raise _no_adapters_error()
         has_own_checkpoint = resume.find_own_checkpoint(train_config, self.hosts)
         if resume_from_checkpoint is not None:
             resume.link_resume_checkpoint(train_config, Path(resume_from_checkpoint), has_own_checkpoint)
@@ -507,6 +510,14 @@ def _no_hf_model_error() -> ConfigurationError:
     return ConfigurationError(
         "training_engine.export_hf: the step's model holds no transformers model to export (build it "
         "with fairscale::from_pretrained or a transformers class), or remove export_hf."
+    )
+
+
+def _no_adapters_error() -> ConfigurationError:
+    # The merge folds LoRA adapters into the base: without any, nothing was written, silently.
+    return ConfigurationError(
+        "training_engine.export_hf_merged: the model has no LoRA adapters to merge (it is for "
+        "fairscale::with_lora models); export_hf alone writes this model whole."
     )
 
 

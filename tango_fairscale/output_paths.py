@@ -97,8 +97,12 @@ _CHILDREN_LOOKED_AT = 1000
 
 
 def export_hf_path(export_hf: str, work_dir: Path) -> Path:
-    """Where the engine's ``export_hf`` writes: a relative path is relative to the step's work directory."""
-    return Path(work_dir) / export_hf
+    """
+    Where the engine's ``export_hf`` writes: ``~`` is the user's home directory, as in a shell
+    (it made a directory named ``~`` in the work directory), and a relative path is relative to
+    the step's work directory.
+    """
+    return Path(work_dir) / os.path.expanduser(export_hf)
 
 
 def check_writable(path: Path, needed_bytes: int = 0) -> None:

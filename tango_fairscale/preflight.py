@@ -39,7 +39,7 @@ from .checkpointing.resume import check_within_run
 from .config import FSDPConfig
 from .cpu.memory import META_BUILD_MMAP_THRESHOLD_BYTES, limit_cpu_heap_growth
 from .devices import devices_are_cpu
-from .engine import FairScaleTrainingEngine, _no_hf_model_error
+from .engine import FairScaleTrainingEngine, _no_adapters_error, _no_hf_model_error
 from .errors import did_you_mean
 from .finetune.data_fit import check_data_fits_model
 from .finetune.hf_export import hf_model_in
@@ -746,11 +746,7 @@ def _preflight(
         # Room for the exports, now that their size is known: before, a full disk was found after training.
         adapter = any("lora_" in name for name, _ in built.named_parameters())
         if options.export_hf_merged is not None and not adapter:
-            # The merge folds LoRA adapters into the base: without any, nothing was written, silently.
-            raise ConfigurationError(
-                "training_engine.export_hf_merged: the model has no LoRA adapters to merge (it is for "
-                "fairscale::with_lora models); export_hf alone writes this model whole."
-            )
+            raise _no_adapters_error()
         check_export_hf(options.export_hf, work_dir, "export_hf", export_bytes(built, trained_only=adapter))
         check_export_hf(options.export_hf_merged, work_dir, "export_hf_merged", export_bytes(built))
     return options

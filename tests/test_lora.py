@@ -603,3 +603,49 @@ def test_the_next_export_removes_what_a_killed_adapter_export_left(
     export_peft_adapter(_state_source(dict(model.state_dict())), adapter, model)
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["adapter", foreign.name])
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_with_lora_around_a_wrapped_model_is_refused_in_one_line(pretrained: Path) -> None:
+    """peft's wrapper hid the plan recorded on the model under it: the run trained one unit, silently."""
+    from tango.common.exceptions import ConfigurationError
+    from transformers import AutoModelForCausalLM
+
+    from tango_fairscale import with_lora, with_wrapped_modules
+
+    wrapped = with_wrapped_modules(
+        AutoModelForCausalLM.from_pretrained(pretrained),
+        wrap_module_classes=["LlamaDecoderLayer"],
+        fsdp_config=None,
+    )
+    with pytest.raises(ConfigurationError) as error:
+        with_lora(wrapped, target_modules=["q_proj"])
+    message = str(error.value)
+    assert (
+        "is a fairscale::with_wrapped_modules model" in message
+        and "Put fairscale::with_lora inside" in message
+    )
+    assert "\n" not in message
+
+
+def test_export_hf_merged_of_a_model_without_adapters_is_refused_by_the_engine(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """Pre-flight cannot build every model on meta without init_on_meta: the engine says it, first."""
+    config = experiment(pretrained, "fairscale", False, 0.01, 2)
+    config["steps"]["train"]["model"]["model"] = {
+        "type": "fairscale::from_pretrained",
+        "pretrained_model_name_or_path": str(pretrained),
+    }
+    config["steps"]["train"]["training_engine"].update(export_hf="hf", export_hf_merged="merged")
+    (result,) = harness.run([harness.Train(config, tmp_path / "work")], out=tmp_path / "harness")
+    for error in result.errors:
+        assert error is not None and "export_hf_merged: the model has no LoRA adapters to merge" in error
+    assert not (tmp_path / "work" / "weights.pt").exists() and not (tmp_path / "work" / "merged").exists()
+
+
+def test_export_paths_expand_the_home_directory(tmp_path: Path) -> None:
+    from tango_fairscale.output_paths import export_hf_path
+
+    assert export_hf_path("~/exports/hf", tmp_path) == Path.home() / "exports" / "hf"
+    assert export_hf_path("hf", tmp_path) == tmp_path / "hf"
+    assert export_hf_path(str(tmp_path / "abs"), Path("/elsewhere")) == tmp_path / "abs"

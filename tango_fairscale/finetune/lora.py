@@ -39,6 +39,7 @@ from tango.common.exceptions import ConfigurationError
 from tango.integrations.torch import Model
 
 from ..registry import register_model_constructor
+from ..wrapping import recorded_plan
 
 #: The registered name of :func:`with_lora`.
 LORA_TYPE = "fairscale::with_lora"
@@ -169,6 +170,14 @@ def with_lora(
         raise ConfigurationError(
             f"{LORA_TYPE}.model: it has adapters already ({type(model).__name__} with a peft_config): give "
             "the model under them, with every target module in one fairscale::with_lora."
+        )
+    if recorded_plan(model) is not None:
+        # peft's wrapper hides the plan recorded on the model under it: the run trained the whole
+        # model as one unit, without a word.
+        raise ConfigurationError(
+            f"{LORA_TYPE}.model: it is a fairscale::with_wrapped_modules model, whose wrap plan the "
+            f"adapters would hide (the run would train one unit). Put {LORA_TYPE} inside "
+            "fairscale::with_wrapped_modules: with_wrapped_modules { model: with_lora { model: ... } }."
         )
     _check_modules_to_save(model, options.modules_to_save)
     try:
