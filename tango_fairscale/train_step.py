@@ -256,7 +256,7 @@ def _train_across_hosts(
         device_count=len(devices),
         timeout=timeout,
         step_name=step.name,
-        base_files=pretrained_fingerprint(kwargs["model"]),
+        base_files=pretrained_fingerprint(args[0]),  # the model (torch::train's first argument)
     ) as session:
         world = session.world
         interface = launching.socket_interface_environment(

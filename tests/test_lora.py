@@ -585,8 +585,8 @@ def test_the_next_export_removes_what_a_killed_adapter_export_left(
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     left = [path for path in tmp_path.iterdir() if path.name.startswith(".adapter.")]
-    suffix = "tmp" if when == "early" else "old"
-    assert len(left) == 1 and left[0].name.endswith("." + suffix), left
+    # "late": the earlier export, swapped out (RENAME_EXCHANGE) under the temporary's name.
+    assert len(left) == 1 and left[0].name.endswith(".tmp"), left
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in left[0].iterdir()}
     # A directory named as the killed export's temporaries were that holds something an export
     # does not write: not ours, kept.

@@ -267,6 +267,10 @@ def errors_cases(root: Path, tokenizer: str) -> Dict[str, Any]:
     (root / "empty.txt").write_text("")
     (root / "ok.txt").write_text(text(30, 5))
     (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (root / "zeros.txt").write_bytes(b"\0" * 64)  # valid UTF-8, but no text
+    (root / "docs").mkdir()
+    (root / "docs" / "a.txt").write_text(text(30, 5))
+    (root / "docs" / "b.txt").write_text(text(30, 6))
     ok = str(root / "ok.txt")
     return {
         "path .*nowhere.txt does not exist": dict(path=str(root / "nowhere.txt"), tokenizer=tokenizer),
@@ -306,6 +310,16 @@ def errors_cases(root: Path, tokenizer: str) -> Dict[str, Any]:
         "split_by is 'lines'": dict(path=ok, tokenizer=tokenizer, split_by="lines"),
         "tokenizer .*no_tokenizer is not a directory": dict(path=ok, tokenizer=str(root / "no_tokenizer")),
         "latin1.txt is not UTF-8 text \\(byte 3": dict(path=str(root / "latin1.txt"), tokenizer=tokenizer),
+        "zeros.txt holds NUL bytes \\(at character 0\\): it is not text": dict(
+            path=str(root / "zeros.txt"), tokenizer=tokenizer
+        ),
+        # The same files twice: a copy of each held-out document was trained on.
+        "path names .*docs/a.txt twice \\(as .*docs/a.txt and as .*docs/a.txt\\)": dict(
+            path=[str(root / "docs"), str(root / "docs")], tokenizer=tokenizer, validation_fraction=0.5
+        ),
+        "path names .*docs/b.txt twice": dict(
+            path=[str(root / "docs" / "b.txt"), str(root / "docs")], tokenizer=tokenizer
+        ),
         "the train text has \\d+ tokens, not one block of 4096": dict(
             path=ok, tokenizer=tokenizer, block_size=4096
         ),

@@ -397,6 +397,9 @@ def _write_directory(directory: Path, fill: Callable[[Path], None]) -> Path:
         old = place(tmp, directory, checked, still_replaceable=_earlier_export, what="the export")
         fsync_directory(directory.parent)
         if old is not None:
+            # The earlier export, swapped out under the temporary's name: marked as the temporary
+            # it now is, so that the next write sweeps it if this process dies before removing it.
+            mark_temporary(old)
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         # Ours whatever happened: the new export, or (swapped out) the earlier one it replaced.

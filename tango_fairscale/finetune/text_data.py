@@ -187,6 +187,17 @@ def _file_corpus(path: Union[str, Sequence[str]], glob: str) -> _Corpus:
                 "(e.g. '**/*.txt' for subdirectories too)"
             )
     files = [(name, file) for name, file in _listed_files(path, glob) if file is not None]
+    seen: Dict[Path, str] = {}
+    for name, file in files:
+        first = seen.get(file.resolve())
+        seen.setdefault(file.resolve(), name)
+        if first is not None:
+            # Each file is one document: a second copy landed in the other split, so the run
+            # trained on the documents it held out.
+            raise TextDataError(
+                f"{STEP_NAME}: path names {file.resolve()} twice (as {first} and as {name}): list each "
+                "file once, or a copy of a held-out document would be trained on"
+            )
     if all(file.stat().st_size == 0 for _, file in files):
         raise TextDataError(f"{STEP_NAME}: every file of path {path} is empty: no text to tokenize")
 
@@ -195,11 +206,18 @@ def _file_corpus(path: Union[str, Sequence[str]], glob: str) -> _Corpus:
             name, file = files[index]
             try:
                 # Text mode reads \r\n and \r as \n: a Windows file tokenizes as its Unix copy.
-                yield file.read_text(encoding="utf-8")
+                text = file.read_text(encoding="utf-8")
             except UnicodeDecodeError as error:
                 raise TextDataError(
                     f"{STEP_NAME}: {name} is not UTF-8 text (byte {error.start}: {error.reason})"
                 ) from None
+            if "\x00" in text:
+                # Valid UTF-8, but no text holds NUL: a binary file (an image, a tensor) read as words.
+                raise TextDataError(
+                    f"{STEP_NAME}: {name} holds NUL bytes (at character {text.index(chr(0))}): it is not "
+                    "text; leave it out of path (or narrow glob)"
+                )
+            yield text
 
     return _Corpus([name for name, _ in files], read)
 
