@@ -319,12 +319,12 @@ import os, signal, sys, time
 from tango_fairscale import cli
 from tango_fairscale.checkpointing import consolidation
 original, signum = consolidation.save_model, getattr(signal, sys.argv[1])
-def save_model(source, output, progress=None):
+def save_model(source, output, progress=None, **options):
     def after_a_tensor():
         progress()
         os.kill(os.getpid(), signum)
         time.sleep(5)
-    return original(source, output, progress=after_a_tensor)
+    return original(source, output, progress=after_a_tensor, **options)
 consolidation.save_model = save_model
 sys.exit(cli.main(["consolidate", *sys.argv[2:]]))
 """
