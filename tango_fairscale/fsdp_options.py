@@ -29,16 +29,20 @@ _DEVICE_FIELDS = ("state_dict_device",)
 _DTYPE_FIELDS = ("compute_dtype", "buffer_dtype")
 
 
+def dtype_named(value: Any) -> Optional[torch.dtype]:
+    """The dtype a config's string names (``"bfloat16"``, ``"torch.fp16"``, ...), else ``None``."""
+    if isinstance(value, str):
+        return DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
+    return None
+
+
 def parse_dtype(field_name: str, value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     """Turn a dtype given in a config (``"bfloat16"``, ``"fp16"``, ...) into a :class:`torch.dtype`."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    if isinstance(value, str):
-        name = value.strip().lower()
-        if name.startswith("torch."):
-            name = name[len("torch.") :]
-        if name in DTYPE_NAMES:
-            return DTYPE_NAMES[name]
+    named = dtype_named(value)
+    if named is not None:
+        return named
     raise ConfigurationError(
         f"FSDPConfig.{field_name}: {value!r} is not a dtype. "
         f"Use one of {sorted(set(DTYPE_NAMES))}, or leave it unset."

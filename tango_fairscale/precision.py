@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from tango.common.exceptions import ConfigurationError
 
-from .fsdp_options import DTYPE_NAMES
+from .fsdp_options import DTYPE_NAMES, dtype_named
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,9 @@ def parse_param_dtype(value: Any) -> Optional[torch.dtype]:
     """``training_engine.param_dtype`` as a dtype (``None`` when unset), or one line naming the field."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    if isinstance(value, str):
-        name = value.strip().lower().removeprefix("torch.")
-        if name in DTYPE_NAMES:
-            return DTYPE_NAMES[name]
+    named = dtype_named(value)
+    if named is not None:
+        return named
     raise ConfigurationError(
         f"{_FIELD}: {value!r} is not a floating-point dtype. Use one of "
         f"{sorted(set(DTYPE_NAMES))}, or leave it unset (float32 master weights)."
